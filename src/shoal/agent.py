@@ -1,0 +1,139 @@
+"""An agent: one coding-agent CLI with one model and settings, holding many sessions.
+
+    agent = shoal.Agent("opencode", model="loopback")
+    s = agent.session(where="some/dir")      # lazy: nothing starts
+    r = s.run("...")                         # or: await s.arun("...")
+
+Closing the agent (or leaving its `with` block) stops every turn and process it started
+and gives back every place its sessions made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from shoal import backends
+from shoal.backends.base import DEFAULT_PERMISSIONS, Settings
+from shoal.places import Place, as_place
+from shoal.runtime import runtime
+from shoal.session import Session
+
+log = logging.getLogger("shoal")
+
+
+def state_dir() -> Path:
+    """Where shoal keeps agents' private CLI homes (never the user's own CLI config)."""
+    if os.environ.get("SHOAL_HOME"):
+        return Path(os.environ["SHOAL_HOME"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shoal"
+
+
+class Agent:
+    """One CLI, one model, one set of settings, one id; as many sessions as you like."""
+
+    def __init__(
+        self,
+        backend: str = "opencode",
+        model: str = "loopback",
+        *,
+        name: str | None = None,
+        permissions: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        home: str | Path | None = None,
+        turn_timeout: float | None = 600.0,
+        base_url: str | None = None,
+    ) -> None:
+        self.id = uuid.uuid4().hex[:10]
+        self.name = name or f"{backend}-{self.id[:6]}"
+        self._own_home = home is None  # a home shoal made is removed with the agent
+        if model == "loopback" and base_url is None:
+            from shoal.loopback import shared  # the embedded default: started on first use
+
+            base_url = shared().url
+        perms = dict(DEFAULT_PERMISSIONS)
+        perms.update({k: ("deny" if v == "ask" else v) for k, v in (permissions or {}).items()})
+        self.settings = Settings(
+            backend=backend,
+            model=model,
+            base_url=base_url,
+            home=Path(home).absolute() if home else state_dir() / "agents" / f"{backend}-{self.id}",
+            agent_id=self.id,
+            permissions=perms,
+            env=dict(env or {}),
+            args=list(args or []),
+            turn_timeout=turn_timeout,
+        )
+        self.backend = backends.make(self.settings)  # unknown backend, bad model, missing CLI: now
+        self.sessions: list[Session] = []
+        self.kept: list[str] = []  # notes on places kept at close because they hold work
+        self.closed = False
+
+    @property
+    def model(self) -> str:
+        return self.settings.model
+
+    def __repr__(self) -> str:
+        return f"<Agent {self.name} {self.settings.backend}/{self.model} sessions={len(self.sessions)}>"
+
+    def session(self, where: Place | str | Path | None = None, *, name: str | None = None) -> Session:
+        """A new conversation rooted at `where` (a directory or a Place). Starts nothing."""
+        if self.closed:
+            raise RuntimeError(f"agent {self.name} is closed")
+        place = as_place(where)
+        place.check()
+        s = Session(self.backend, place, name=name, timeout=self.settings.turn_timeout)
+        self.sessions.append(s)
+        return s
+
+    def clone(self, **changes: Any) -> Agent:
+        """An agent of its own with these settings changed (a new id, no sessions)."""
+        s = self.settings
+        kwargs: dict[str, Any] = {
+            "backend": s.backend, "model": s.model, "permissions": s.permissions, "env": s.env,
+            "args": s.args, "turn_timeout": s.turn_timeout, "base_url": s.base_url,
+        }
+        kwargs.update(changes)
+        return Agent(**kwargs)
+
+    # --- closing -----------------------------------------------------------------------------
+
+    def close(self) -> list[str]:
+        return runtime.call(self._close()) if not self.closed else self.kept
+
+    async def aclose(self) -> list[str]:
+        return await runtime.acall(self._close()) if not self.closed else self.kept
+
+    async def _close(self) -> list[str]:
+        self.closed = True
+        notes = await asyncio.gather(*(s._close() for s in self.sessions), return_exceptions=True)
+        for note in notes:
+            if isinstance(note, BaseException):
+                log.warning("closing a session failed: %s", note)
+            elif note:
+                self.kept.append(note)
+                log.warning("%s", note)
+        await self.backend.aclose()
+        if self._own_home:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(shutil.rmtree, self.settings.home, True)
+        return self.kept
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

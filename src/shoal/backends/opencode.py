@@ -1,0 +1,157 @@
+"""opencode, one `opencode run --format json` process per turn, resumed by its session id.
+
+The prompt goes in on stdin: opencode reads a piped stdin as the message, which keeps any
+prompt (one starting with `-`, one longer than argv allows) intact. Config comes from
+`OPENCODE_CONFIG_CONTENT` with project config disabled, and the database is the agent's own
+(`OPENCODE_DB`), so nothing of the user's opencode set-up leaks in and nothing of theirs is touched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from shoal.backends.base import Conversation, Settings, base_env, find_cli
+from shoal.errors import BackendCrashed, BadModel, ProviderError, TurnFailed
+from shoal.procs import Proc
+from shoal.reply import Event, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
+
+LOOPBACK_PROVIDER = "shoal"
+
+
+class OpenCode:
+    name = "opencode"
+    package = "opencode-ai"
+
+    def __init__(self, settings: Settings) -> None:
+        if settings.model != "loopback" and "/" not in settings.model:
+            raise BadModel(
+                f"opencode models are named 'provider/model' (e.g. 'anthropic/claude-sonnet-4-5'), "
+                f"or 'loopback' for shoal's local model; got {settings.model!r}"
+            )
+        self.settings = settings
+        self.cli = find_cli("opencode", self.package)
+        self.env = self._env()
+
+    def _config(self) -> dict[str, Any]:
+        s = self.settings
+        config: dict[str, Any] = {
+            "permission": {k: v for k, v in s.permissions.items() if v in ("allow", "deny")},
+            "autoupdate": False,
+            "share": "disabled",
+        }
+        if s.model == "loopback":
+            config["provider"] = {
+                LOOPBACK_PROVIDER: {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "shoal loopback",
+                    "options": {"baseURL": f"{s.base_url}/v1", "apiKey": "loopback"},
+                    "models": {"loopback": {"name": "loopback", "tool_call": True,
+                                            "limit": {"context": 128000, "output": 4096}}},
+                }
+            }
+            config["model"] = config["small_model"] = f"{LOOPBACK_PROVIDER}/loopback"
+        else:
+            config["model"] = s.model
+        return config
+
+    def _env(self) -> dict[str, str]:
+        s = self.settings
+        env = base_env(s)
+        env.update(
+            OPENCODE_CONFIG_CONTENT=json.dumps(self._config()),
+            OPENCODE_DB=str(s.home / "opencode.db"),
+            OPENCODE_DISABLE_PROJECT_CONFIG="1",
+            OPENCODE_DISABLE_AUTOUPDATE="1",
+            OPENCODE_DISABLE_LSP_DOWNLOAD="1",
+            OPENCODE_DISABLE_SHARE="1",
+        )
+        if s.model == "loopback":
+            env["OPENCODE_DISABLE_MODELS_FETCH"] = "1"  # no catalogue needed for a local model
+        env.update(s.env)
+        return env
+
+    def _argv(self, conv: Conversation) -> list[str]:
+        argv = [self.cli, "run", "--format", "json"]
+        if conv.session_id:
+            argv += ["--session", conv.session_id]
+        else:
+            argv += ["--title", "shoal"]  # skips the extra title-generation model call
+        if self.settings.model != "loopback":
+            argv += ["--model", self.settings.model]
+        return argv + self.settings.args
+
+    async def turn(self, conv: Conversation, prompt: str) -> AsyncIterator[Event]:
+        proc = await Proc.spawn(self._argv(conv), cwd=conv.cwd, env=self.env, stdin=True)
+        error: dict[str, Any] | None = None
+        try:
+            await proc.write(prompt.encode(), close=True)
+            while line := await proc.readline():
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # opencode prints the odd non-JSON line; the JSON ones are the record
+                if not conv.session_id and event.get("sessionID"):
+                    conv.session_id = event["sessionID"]
+                    yield Started(conv.session_id)
+                if event.get("type") == "error":
+                    error = event.get("error") or {}
+                    continue
+                for ev in _events(event):
+                    yield ev
+            code = await proc.wait()
+        except BaseException:
+            await proc.stop()
+            raise
+        if error is not None:
+            raise _error(error, code, proc.stderr_tail(), conv.session_id)
+        if code != 0:
+            raise BackendCrashed("opencode exited without an answer", backend=self.name, exit_code=code,
+                                 stderr_tail=proc.stderr_tail(), session_id=conv.session_id)
+
+    async def end(self, conv: Conversation) -> None:
+        return None  # nothing is held open between turns
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _events(event: dict[str, Any]) -> list[Event]:
+    part = event.get("part") or {}
+    kind = event.get("type")
+    if kind == "text" and part.get("text"):
+        return [Text(part["text"])]
+    if kind == "tool_use":
+        state = part.get("state") or {}
+        meta = state.get("metadata") or {}
+        call_id, tool, args = part.get("callID", ""), part.get("tool", ""), state.get("input") or {}
+        failed = state.get("status") == "error"
+        output = str(state.get("error") if failed else state.get("output", ""))
+        exit_code = meta.get("exit")
+        return [ToolStarted(call_id, tool, args),
+                ToolFinished(call_id, tool, args, output, exit_code, ok=not failed and exit_code in (None, 0))]
+    if kind == "step_finish":
+        tokens = part.get("tokens") or {}
+        cache = tokens.get("cache") or {}
+        usage = Usage(int(tokens.get("input", 0)), int(tokens.get("output", 0)),
+                      int(cache.get("read", 0)), float(part.get("cost") or 0.0))
+        return [StepUsage(usage)]
+    return []
+
+
+def _error(error: dict[str, Any], code: int, stderr: str, session_id: str | None) -> TurnFailed:
+    data = error.get("data") or {}
+    message = str(data.get("message") or error.get("name") or "opencode reported an error")
+    headers = data.get("responseHeaders") or {}
+    request_id = headers.get("x-request-id") or headers.get("request-id")
+    status = data.get("statusCode")
+    name = str(error.get("name", ""))
+    common: dict[str, Any] = {"backend": "opencode", "exit_code": code, "stderr_tail": stderr,
+                              "request_id": request_id, "session_id": session_id}
+    if status is not None or name == "APIError":
+        hint = {401: " (check the provider's API key)", 429: " (rate limited; retry later)"}.get(status or 0, "")
+        return ProviderError(f"provider error {status}: {message}{hint}", status=status, **common)
+    if "ModelNotFound" in name or "ProviderNotFound" in name:
+        return ProviderError(f"opencode does not know this model: {message}", **common)
+    return TurnFailed(f"opencode: {name}: {message}", **common)

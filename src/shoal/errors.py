@@ -1,0 +1,81 @@
+"""One hierarchy for everything shoal raises: each error says what went wrong and what to do."""
+
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """Base of every error shoal raises on purpose."""
+
+
+class UnknownBackend(ShoalError, ValueError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name, self.known = name, known
+        super().__init__(f"unknown backend {name!r}; known backends: {', '.join(sorted(known))}")
+
+
+class BadModel(ShoalError, ValueError):
+    """The model name cannot be used with this backend."""
+
+
+class CLINotFound(ShoalError):
+    def __init__(self, cli: str, package: str) -> None:
+        self.cli, self.package = cli, package
+        super().__init__(
+            f"the {cli!r} command was not found. Install the pinned CLIs with `npm ci` in the shoal "
+            f"checkout (or `npm install -g {package}`), or point ${cli.upper()}_BIN / "
+            f"SHOAL_{cli.upper()}_BIN at the executable."
+        )
+
+
+class PlaceError(ShoalError):
+    """A session's place could not be made, found or used."""
+
+
+class TurnFailed(ShoalError):
+    """A turn did not complete. The session stays usable for the next turn."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str = "",
+        exit_code: int | None = None,
+        stderr_tail: str = "",
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        self.backend, self.exit_code, self.stderr_tail = backend, exit_code, stderr_tail
+        self.request_id, self.session_id = request_id, session_id
+        detail = [message]
+        if exit_code is not None:
+            detail.append(f"exit code {exit_code}")
+        if request_id:
+            detail.append(f"request id {request_id}")
+        text = "; ".join(detail)
+        if stderr_tail:
+            text += "\n--- stderr (last lines) ---\n" + stderr_tail
+        super().__init__(text)
+
+
+class BackendCrashed(TurnFailed):
+    """The CLI process died or exited non-zero without an answer."""
+
+
+class ProviderError(TurnFailed):
+    """The model provider answered with an error (rate limit, server error, bad credentials)."""
+
+    def __init__(self, message: str, *, status: int | None = None, **kw: object) -> None:
+        self.status = status
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+
+
+class TurnTimeout(TurnFailed):
+    """A turn ran past the agent's `turn_timeout`; its CLI was stopped."""
+
+
+class ProtocolMismatch(ShoalError):
+    """The installed CLI does not speak what shoal expects (wrong version)."""
+
+
+class WrongLoop(ShoalError, RuntimeError):
+    """A blocking call was made from shoal's own event loop, where it would deadlock."""

@@ -1,0 +1,77 @@
+"""Anthropic Messages, as Claude Code speaks it (including its `role: system` message entry)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from shoal.loopback.script import Conversation, FinalMove, ToolMove, absolute, shell_write
+from shoal.loopback.wire import INPUT_TOKENS, OUTPUT_TOKENS, fill_required, new_id, sse, text_of
+
+
+class Messages:
+    name = "messages"
+
+    def conversation(self, body: dict[str, Any]) -> Conversation:
+        conv = Conversation(system_text=text_of(body.get("system")) + "\n")
+        for msg in body.get("messages") or []:
+            role, content = msg.get("role"), msg.get("content")
+            if role == "system":  # Claude Code puts its environment block here
+                conv.system_text += text_of(content) + "\n"
+            elif role == "user":
+                blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
+                results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
+                if results:
+                    for _ in results:
+                        conv.add_result()
+                else:
+                    conv.add_user(text_of(blocks))
+        conv.tools = [str(t.get("name", "")) for t in body.get("tools") or []]
+        return conv
+
+    def _block(self, body: dict[str, Any], conv: Conversation, move: ToolMove | FinalMove) -> dict[str, Any]:
+        if isinstance(move, FinalMove):
+            return {"type": "text", "text": move.text}
+        schemas = {t.get("name"): t.get("input_schema") for t in body.get("tools") or []}
+        if move.kind == "write" and "Write" in schemas:
+            name = "Write"
+            args = {"file_path": absolute(move.path, conv.cwd), "content": move.text + "\n"}
+        else:
+            name = "Bash"
+            args = {"command": move.command if move.kind == "run" else shell_write(move.path, move.text)}
+        return {"type": "tool_use", "id": new_id("toolu_"), "name": name,
+                "input": fill_required(schemas.get(name), args)}
+
+    def _usage(self) -> dict[str, int]:
+        return {"input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+    def stream(self, body: dict[str, Any], conv: Conversation, move: ToolMove | FinalMove) -> Iterator[bytes]:
+        block = self._block(body, conv, move)
+        stop = "tool_use" if block["type"] == "tool_use" else "end_turn"
+        message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.get("model"),
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {**self._usage(), "output_tokens": 1}}
+        yield sse({"type": "message_start", "message": message}, "message_start")
+        if block["type"] == "tool_use":
+            start = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        else:
+            start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+        yield sse({"type": "content_block_start", "index": 0, "content_block": start}, "content_block_start")
+        yield sse({"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta")
+        yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+        yield sse({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                   "usage": self._usage()}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+
+    def complete(self, body: dict[str, Any], conv: Conversation, move: ToolMove | FinalMove) -> dict[str, Any]:
+        block = self._block(body, conv, move)
+        return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.get("model"),
+                "content": [block], "stop_reason": "tool_use" if block["type"] == "tool_use" else "end_turn",
+                "stop_sequence": None, "usage": self._usage()}
+
+    def error(self, status: int, message: str) -> dict[str, Any]:
+        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}

@@ -1,0 +1,21 @@
+"""Places a session can be rooted at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shoal.places.base import Place
+from shoal.places.copy import Copy
+from shoal.places.here import Here
+
+
+def as_place(where: Place | str | Path | None) -> Place:
+    """A place from what a user passes as `where=`: a Place, or a directory path."""
+    if where is None:
+        return Here(Path.cwd())
+    if isinstance(where, (str, Path)):
+        return Here(where)
+    return where
+
+
+__all__ = ["Copy", "Here", "Place", "as_place"]

@@ -1,0 +1,31 @@
+"""Where a session works. One Protocol; one file per kind of place.
+
+A place is checked when the session is opened (cheap: a missing directory is an error right
+there), made by the session's first turn (`open`), and given back when the session or its
+agent ends (`close`). A place that holds work it cannot prove is kept elsewhere is never
+deleted silently: `close` keeps it and says where.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Place(Protocol):
+    kind: str
+
+    def check(self) -> None:
+        """Raise `PlaceError` now if this place can never be made (no I/O beyond a stat)."""
+        ...
+
+    async def open(self) -> Path:
+        """Make the place (first turn only) and return the directory the CLI runs in."""
+        ...
+
+    async def close(self) -> str | None:
+        """Give the place back. Returns a note when something was kept (and why), else None."""
+        ...
+
+    def describe(self) -> str: ...

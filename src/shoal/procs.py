@@ -1,0 +1,142 @@
+"""Spawning and stopping CLI processes. Nothing else in shoal spawns a long-lived process.
+
+Each process starts a process group of its own and carries a tag in its environment
+(`SHOAL_PROC`), inherited by everything it starts. Stopping kills the group, then sweeps
+/proc for anything still carrying the tag: a child that called setsid() or was re-parented
+escapes the group but not its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+STDOUT_LIMIT = 64 * 1024 * 1024  # one JSON event can carry a whole file's tool output
+TAG = "SHOAL_PROC"
+_live: set[Proc] = set()  # every process not yet reaped, for the last-resort stop at exit
+
+
+def kill_all() -> None:
+    """Kill every process shoal started and everything they started (at interpreter exit)."""
+    for proc in list(_live):
+        proc._signal_group(signal.SIGKILL)
+        proc._sweep(signal.SIGKILL)
+
+
+def tagged_pids(needle: str) -> list[int]:
+    """Pids of live processes whose environment contains `needle` (e.g. "SHOAL_AGENT=ab12")."""
+    raw = needle.encode()
+    found = []
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and any(item == raw for item in env.split(b"\0")):
+            found.append(int(entry.name))
+    return found
+
+
+class Proc:
+    """One running CLI process, its output streams and its whole family of descendants."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, tag: str, argv: Sequence[str]) -> None:
+        self._proc = proc
+        self.tag = tag
+        self.argv = list(argv)
+        self.pid = proc.pid
+        self._stderr: deque[str] = deque(maxlen=200)
+        self._stderr_task = asyncio.get_running_loop().create_task(self._drain_stderr())
+        _live.add(self)
+
+    @classmethod
+    async def spawn(
+        cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False
+    ) -> Proc:
+        tag = uuid.uuid4().hex
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=str(cwd),
+            env={**env, TAG: tag},
+            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            limit=STDOUT_LIMIT,
+        )
+        return cls(proc, tag, argv)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def readline(self) -> bytes:
+        assert self._proc.stdout is not None
+        return await self._proc.stdout.readline()
+
+    async def write(self, data: bytes, *, close: bool = False) -> None:
+        stdin = self._proc.stdin
+        if stdin is None:
+            raise RuntimeError("process was spawned without stdin")
+        stdin.write(data)
+        await stdin.drain()
+        if close:
+            stdin.close()
+
+    async def wait(self) -> int:
+        code = await self._proc.wait()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._stderr_task), 2)
+        self._sweep(signal.SIGKILL)  # the CLI is done: nothing it started may outlive it
+        _live.discard(self)
+        return code
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        return "\n".join(list(self._stderr)[-lines:])
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """TERM the group, give it `grace` seconds, then KILL the group and every tagged straggler."""
+        if self._proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace)
+            except TimeoutError:
+                pass
+        self._signal_group(signal.SIGKILL)
+        self._sweep(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            await asyncio.shield(self._proc.wait())
+        _live.discard(self)
+        self._stderr_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._stderr_task
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def _sweep(self, sig: int) -> None:
+        for pid in tagged_pids(f"{TAG}={self.tag}"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    async def _drain_stderr(self) -> None:
+        stream = self._proc.stderr
+        assert stream is not None
+        while True:
+            line = await stream.readline()
+            if not line:
+                return
+            self._stderr.append(line.decode(errors="replace").rstrip())

@@ -1,0 +1,251 @@
+"""A conversation: one place for life, turns one after another, nothing spent until the first.
+
+Opening a session allocates a Python object and nothing else — no process, thread, file or
+socket — so ten thousand of them up front are a list, not a bill. The first turn makes the
+place and starts the CLI. Turns queue in call order (a ticket taken when the turn begins on
+shoal's loop, which is call order for blocking callers on any thread and for awaited ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING
+
+from shoal.backends.base import Backend, Conversation
+from shoal.errors import TurnFailed, TurnTimeout
+from shoal.places.base import Place
+from shoal.prices import priced
+from shoal.reply import Event, Reply, StepUsage, Text, ToolFinished, Usage
+from shoal.runtime import runtime
+
+if TYPE_CHECKING:
+    Sink = Callable[[Event], None]
+
+
+class _Turns:
+    """Tickets in the order turns began; each turn waits for its own to come up."""
+
+    def __init__(self) -> None:
+        self._issued = 0
+        self._head = 0
+        self._gone: set[int] = set()
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+
+    def take(self) -> int:
+        self._issued += 1
+        return self._issued - 1
+
+    async def wait(self, n: int) -> None:
+        if self._head != n:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters[n] = fut
+            try:
+                await fut
+            finally:
+                self._waiters.pop(n, None)
+
+    def release(self, n: int) -> None:
+        self._gone.add(n)
+        while self._head in self._gone:
+            self._gone.discard(self._head)
+            self._head += 1
+        fut = self._waiters.get(self._head)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+
+class Session:
+    """One conversation of an agent, rooted at one place."""
+
+    def __init__(self, backend: Backend, place: Place, *, name: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.backend = backend
+        self.place = place
+        self.id = uuid.uuid4().hex[:12]
+        self.name = name or self.id
+        self.timeout = timeout
+        self.turns = 0
+        self.usage = Usage()
+        self._conv: Conversation | None = None
+        self._queue: _Turns | None = None
+        self._running: set[asyncio.Task[object]] = set()
+        self.closed = False
+        self.on_event: Callable[[Session, Event], None] | None = None
+
+    @property
+    def session_id(self) -> str | None:
+        """The backend's own id for this conversation (None until its first turn)."""
+        return self._conv.session_id if self._conv else None
+
+    @property
+    def started(self) -> bool:
+        return self._conv is not None
+
+    @property
+    def cwd(self) -> str | None:
+        return str(self._conv.cwd) if self._conv else None
+
+    def __repr__(self) -> str:
+        return f"<Session {self.name} {self.backend.name} at {self.place.describe()} turns={self.turns}>"
+
+    # --- the twins -------------------------------------------------------------------------
+
+    def run(self, prompt: str, *, timeout: float | None = None) -> Reply:
+        """Run one turn and wait for its Reply here (blocking twin of `arun`)."""
+        return runtime.call(self._turn(prompt, timeout, None))
+
+    async def arun(self, prompt: str, *, timeout: float | None = None) -> Reply:
+        """Run one turn; the caller's loop is free meanwhile (awaited twin of `run`)."""
+        return await runtime.acall(self._turn(prompt, timeout, None))
+
+    def stream(self, prompt: str, *, timeout: float | None = None) -> TurnStream:
+        """The turn's events as they happen, then its Reply: `for` or `async for` over it."""
+        return TurnStream(self, prompt, timeout)
+
+    def close(self) -> str | None:
+        return runtime.call(self.aclose())
+
+    async def aclose(self) -> str | None:
+        """End the conversation: stop its turns and what the backend holds, give back the place."""
+        return await runtime.acall(self._close())
+
+    # --- the core, on shoal's loop ---------------------------------------------------------
+
+    async def _turn(self, prompt: str, timeout: float | None, sink: Sink | None) -> Reply:
+        if self.closed:
+            raise TurnFailed(f"session {self.name} is closed", backend=self.backend.name)
+        if self._queue is None:
+            self._queue = _Turns()
+        ticket = self._queue.take()
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            await self._queue.wait(ticket)
+            if self._conv is None:
+                self.backend.settings.home.mkdir(parents=True, exist_ok=True)
+                self._conv = Conversation(cwd=await self.place.open())
+            limit = timeout if timeout is not None else self.timeout
+            try:
+                async with asyncio.timeout(limit):
+                    return await self._drive(prompt, sink)
+            except TimeoutError:
+                raise TurnTimeout(f"turn ran past {limit} s and was stopped", backend=self.backend.name,
+                                  session_id=self.session_id) from None
+        finally:
+            self._running.discard(task)
+            self._queue.release(ticket)
+
+    async def _drive(self, prompt: str, sink: Sink | None) -> Reply:
+        assert self._conv is not None
+        events: list[Event] = []
+        usage = Usage()
+        started = time.monotonic()
+        self.turns += 1
+        async with contextlib.aclosing(self.backend.turn(self._conv, prompt)) as stream:
+            async for ev in stream:
+                events.append(ev)
+                if isinstance(ev, StepUsage):
+                    usage += ev.usage
+                if sink is not None:
+                    sink(ev)
+                if self.on_event is not None:
+                    self.on_event(self, ev)
+        usage = priced(self.backend.settings.model, usage)
+        self.usage += usage
+        return Reply(
+            text=_final_text(events),
+            session_id=self._conv.session_id or "",
+            backend=self.backend.name,
+            model=self.backend.settings.model,
+            usage=usage,
+            seconds=time.monotonic() - started,
+            events=tuple(events),
+        )
+
+    async def _close(self) -> str | None:
+        self.closed = True
+        for task in list(self._running):
+            task.cancel()
+        if self._running:
+            await asyncio.wait(list(self._running), timeout=30)
+        if self._conv is None:
+            return None
+        await self.backend.end(self._conv)
+        return await self.place.close()
+
+
+def _final_text(events: list[Event]) -> str:
+    """The answer is the text after the last tool call (earlier text was thinking aloud)."""
+    last_tool = max((i for i, e in enumerate(events) if isinstance(e, ToolFinished)), default=-1)
+    return "".join(e.text for e in events[last_tool + 1:] if isinstance(e, Text)).strip()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class TurnStream:
+    """One turn's events, ending in exactly one Reply. Iterate with `for` or `async for`."""
+
+    def __init__(self, session: Session, prompt: str, timeout: float | None) -> None:
+        self._session, self._prompt, self._timeout = session, prompt, timeout
+        self.reply: Reply | None = None
+
+    async def _produce(self, put: Callable[[object], None]) -> None:
+        try:
+            reply = await self._session._turn(self._prompt, self._timeout, put)
+        except BaseException as exc:
+            put(_Failure(exc))
+            raise
+        put(reply)
+
+    def _take(self, item: object) -> Event | Reply:
+        if isinstance(item, _Failure):
+            raise item.exc
+        if isinstance(item, Reply):
+            self.reply = item
+        return item  # type: ignore[return-value]
+
+    async def __aiter__(self) -> AsyncIterator[Event | Reply]:
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[object] = asyncio.Queue()
+        if runtime.on_loop():
+            task = loop.create_task(self._produce(items.put_nowait))
+            cancel = task.cancel
+        else:
+            job = runtime.submit(self._produce(lambda item: loop.call_soon_threadsafe(items.put_nowait, item)))
+            cancel = job.cancel
+        done = False
+        try:
+            while not done:
+                raw = await items.get()
+                done = isinstance(raw, (Reply, _Failure))
+                yield self._take(raw)
+        finally:
+            if not done:
+                cancel()
+                with contextlib.suppress(BaseException):
+                    while not isinstance(await items.get(), (Reply, _Failure)):
+                        pass  # wait for the turn to unwind: its processes are gone after this
+
+    def __iter__(self) -> Iterator[Event | Reply]:
+        items: queue.SimpleQueue[object] = queue.SimpleQueue()
+        job = runtime.submit(self._produce(items.put))
+        done = False
+        try:
+            while not done:
+                raw = items.get()
+                done = isinstance(raw, (Reply, _Failure))
+                yield self._take(raw)
+        finally:
+            if not done:
+                job.cancel()
+                with contextlib.suppress(BaseException):
+                    job.future.exception(timeout=30)

@@ -110,10 +110,8 @@ class Proc:
         """TERM the group, give it `grace` seconds, then KILL the group and every tagged straggler."""
         if self._proc.returncode is None:
             self._signal_group(signal.SIGTERM)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace)
-            except TimeoutError:
-                pass
         self._signal_group(signal.SIGKILL)
         self._sweep(signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, ChildProcessError):

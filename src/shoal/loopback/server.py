@@ -7,6 +7,7 @@ process on the machine can share it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -215,10 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("x-request-id", rid)
             self.send_header("request-id", rid)
         self.end_headers()
-        try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
 
 
 _shared: LoopbackModel | None = None

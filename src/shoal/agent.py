@@ -50,6 +50,7 @@ class Agent:
         home: str | Path | None = None,
         turn_timeout: float | None = 600.0,
         base_url: str | None = None,
+        transport: str | None = None,
     ) -> None:
         self.id = uuid.uuid4().hex[:10]
         self.name = name or f"{backend}-{self.id[:6]}"
@@ -70,6 +71,7 @@ class Agent:
             env=dict(env or {}),
             args=list(args or []),
             turn_timeout=turn_timeout,
+            transport=transport,
         )
         self.backend = backends.make(self.settings)  # unknown backend, bad model, missing CLI: now
         self.sessions: list[Session] = []
@@ -98,7 +100,7 @@ class Agent:
         s = self.settings
         kwargs: dict[str, Any] = {
             "backend": s.backend, "model": s.model, "permissions": s.permissions, "env": s.env,
-            "args": s.args, "turn_timeout": s.turn_timeout, "base_url": s.base_url,
+            "args": s.args, "turn_timeout": s.turn_timeout, "base_url": s.base_url, "transport": s.transport,
         }
         kwargs.update(changes)
         return Agent(**kwargs)

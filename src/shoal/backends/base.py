@@ -45,6 +45,7 @@ class Settings:
     env: dict[str, str] = field(default_factory=dict)  # extra environment (e.g. API keys)
     args: list[str] = field(default_factory=list)  # extra CLI arguments
     turn_timeout: float | None = 600.0
+    transport: str | None = None  # how the CLI is driven ("run", "held", "server"...); None: its best
 
 
 @dataclass

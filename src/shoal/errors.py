@@ -18,10 +18,11 @@ class BadModel(ShoalError, ValueError):
 
 
 class CLINotFound(ShoalError):
-    def __init__(self, cli: str, package: str) -> None:
+    def __init__(self, cli: str, package: str, detail: str = "") -> None:
         self.cli, self.package = cli, package
         super().__init__(
-            f"the {cli!r} command was not found. Install the pinned CLIs with `npm ci` in the shoal "
+            (f"{detail}. " if detail else "")
+            + f"the {cli!r} command was not found. Install the pinned CLIs with `npm ci` in the shoal "
             f"checkout (or `npm install -g {package}`), or point ${cli.upper()}_BIN / "
             f"SHOAL_{cli.upper()}_BIN at the executable."
         )

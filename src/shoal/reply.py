@@ -30,7 +30,7 @@ class Usage:
 class Started:
     """The backend's own conversation id is known (first event of a session's first turn)."""
 
-    session_id: str
+    session_id: str = field(compare=False)
 
 
 @dataclass(frozen=True)

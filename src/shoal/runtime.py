@@ -70,11 +70,14 @@ class Job(Generic[T]):
 
     async def await_(self) -> T:
         """Await from another loop; cancelling the awaiting task cancels the job and waits for it."""
+        fut = asyncio.wrap_future(self.future)
         try:
-            return await asyncio.shield(asyncio.wrap_future(self.future))
+            return await asyncio.shield(fut)
         except asyncio.CancelledError:
             self.cancel()
-            await asyncio.wait([asyncio.wrap_future(self.future)], timeout=30)
+            await asyncio.wait([fut], timeout=30)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved: the job's own ending is not news to anyone
             raise
 
 

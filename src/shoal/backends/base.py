@@ -77,8 +77,11 @@ class Backend(Protocol):
 def find_cli(command: str, package: str) -> str:
     """The pinned CLI from the checkout's node_modules, else one on PATH; an override wins."""
     for var in (f"SHOAL_{command.upper()}_BIN", f"{command.upper()}_BIN"):
-        if os.environ.get(var):
-            return os.environ[var]
+        override = os.environ.get(var)
+        if override:
+            if shutil.which(override) is None:
+                raise CLINotFound(command, package, detail=f"${var} names {override!r}, which is not an executable")
+            return override
     local = PROJECT_ROOT / "node_modules" / ".bin" / command
     if local.exists():
         return str(local)

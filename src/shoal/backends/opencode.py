@@ -8,16 +8,27 @@ prompt (one starting with `-`, one longer than argv allows) intact. Config comes
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
 from shoal.errors import BackendCrashed, BadModel, ProviderError, TurnFailed
 from shoal.procs import Proc
-from shoal.reply import Event, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
+from shoal.reply import Event, Notice, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
 
 LOOPBACK_PROVIDER = "shoal"
+DB_RETRIES = 5
+# what opencode prints when its SQLite database is being created or written by another process
+BUSY = re.compile(r"database is locked|SQLITE_BUSY|Failed query", re.IGNORECASE)
+
+
+class _DatabaseBusy(Exception):
+    def __init__(self, code: int, stderr: str) -> None:
+        self.code, self.stderr = code, stderr
 
 
 class OpenCode:
@@ -33,6 +44,8 @@ class OpenCode:
         self.settings = settings
         self.cli = find_cli("opencode", self.package)
         self.env = self._env()
+        self._db_ready = Path(self.env["OPENCODE_DB"]).exists()
+        self._gate = asyncio.Lock()
 
     def _config(self) -> dict[str, Any]:
         s = self.settings
@@ -73,7 +86,8 @@ class OpenCode:
         return env
 
     def _argv(self, conv: Conversation) -> list[str]:
-        argv = [self.cli, "run", "--format", "json"]
+        # ERROR logs on stderr: opencode's JSON error event often says only "Unexpected server error"
+        argv = [self.cli, "run", "--format", "json", "--print-logs", "--log-level", "ERROR"]
         if conv.session_id:
             argv += ["--session", conv.session_id]
         else:
@@ -83,8 +97,33 @@ class OpenCode:
         return argv + self.settings.args
 
     async def turn(self, conv: Conversation, prompt: str) -> AsyncIterator[Event]:
+        for attempt in range(DB_RETRIES + 1):
+            attempt_events = self._attempt(conv, prompt)
+            try:
+                async for ev in attempt_events:
+                    yield ev
+                return
+            except _DatabaseBusy as busy:
+                if attempt == DB_RETRIES:
+                    raise BackendCrashed("opencode's database stayed busy", backend=self.name,
+                                         exit_code=busy.code, stderr_tail=busy.stderr) from None
+                delay = 0.25 * 2**attempt
+                yield Notice("retry", f"opencode database busy before the turn began; retrying in {delay:.2f} s")
+                await asyncio.sleep(delay)
+
+    async def _attempt(self, conv: Conversation, prompt: str) -> AsyncIterator[Event]:
+        # A fresh database is created by the first process that opens it; several creating it
+        # at once collide on its migrations. So the agent's first process goes alone until it
+        # has said something, and the rest follow.
+        gate = None if self._db_ready else self._gate
+        if gate is not None:
+            await gate.acquire()
+            if self._db_ready:
+                gate.release()
+                gate = None
         proc = await Proc.spawn(self._argv(conv), cwd=conv.cwd, env=self.env, stdin=True)
         error: dict[str, Any] | None = None
+        said_anything = False
         try:
             await proc.write(prompt.encode(), close=True)
             while line := await proc.readline():
@@ -92,6 +131,11 @@ class OpenCode:
                     event = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # opencode prints the odd non-JSON line; the JSON ones are the record
+                if gate is not None:
+                    self._db_ready = True
+                    gate.release()
+                    gate = None
+                said_anything = True
                 if not conv.session_id and event.get("sessionID"):
                     conv.session_id = event["sessionID"]
                     yield Started(conv.session_id)
@@ -104,11 +148,17 @@ class OpenCode:
         except BaseException:
             await proc.stop()
             raise
+        finally:
+            if gate is not None:
+                gate.release()
         if error is not None:
             raise _error(error, code, proc.stderr_tail(), conv.session_id)
         if code != 0:
+            tail = proc.stderr_tail()
+            if not said_anything and BUSY.search(tail):
+                raise _DatabaseBusy(code, tail)
             raise BackendCrashed("opencode exited without an answer", backend=self.name, exit_code=code,
-                                 stderr_tail=proc.stderr_tail(), session_id=conv.session_id)
+                                 stderr_tail=tail, session_id=conv.session_id)
 
     async def end(self, conv: Conversation) -> None:
         return None  # nothing is held open between turns
@@ -152,6 +202,10 @@ def _error(error: dict[str, Any], code: int, stderr: str, session_id: str | None
     if status is not None or name == "APIError":
         hint = {401: " (check the provider's API key)", 429: " (rate limited; retry later)"}.get(status or 0, "")
         return ProviderError(f"provider error {status}: {message}{hint}", status=status, **common)
-    if "ModelNotFound" in name or "ProviderNotFound" in name:
-        return ProviderError(f"opencode does not know this model: {message}", **common)
+    logged = re.findall(r'error="([^"]+)"', stderr)
+    if logged:
+        message = logged[-1]
+    if "ModelNotFound" in message or "ProviderNotFound" in message:
+        return TurnFailed(f"opencode does not know this model: {message} Name one that "
+                          "`opencode models` lists, as provider/model.", **common)
     return TurnFailed(f"opencode: {name}: {message}", **common)

@@ -1,13 +1,25 @@
-"""Anthropic Messages, as Claude Code speaks it (including its `role: system` message entry)."""
+"""Anthropic Messages, as Claude Code speaks it.
+
+Claude Code 2.1.332 sends its context (environment with "Primary working directory", model
+notes, skills, date, remaining-token counters) as `<system-reminder>` text blocks inside *user*
+messages, next to the real prompt and even in a later turn's message. Those blocks are context,
+not the user speaking: they are moved to the system text block by block, so a prompt without
+directives ("remember: apple") still counts as a user text. Older builds put the environment
+in a `role: system` message entry; that is still accepted.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from shoal.loopback.script import Conversation, FinalMove, ToolMove, absolute, shell_write
 from shoal.loopback.wire import INPUT_TOKENS, OUTPUT_TOKENS, fill_required, new_id, sse, text_of
+
+# Context Claude Code wraps into user messages (see the module docstring).
+REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 
 
 class Messages:
@@ -21,12 +33,19 @@ class Messages:
                 conv.system_text += text_of(content) + "\n"
             elif role == "user":
                 blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
-                results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
-                if results:
-                    for _ in results:
+                said: list[str] = []
+                for b in blocks:
+                    if not isinstance(b, dict):
+                        continue
+                    if b.get("type") == "tool_result":
                         conv.add_result()
-                else:
-                    conv.add_user(text_of(blocks))
+                    elif b.get("type") == "text":
+                        text = str(b.get("text", ""))
+                        conv.system_text += "".join(REMINDER.findall(text)) + "\n"
+                        if spoken := REMINDER.sub("", text).strip():
+                            said.append(spoken)
+                if said:  # after any tool results in the same message: the user spoke last
+                    conv.add_user("\n".join(said))
         conv.tools = [str(t.get("name", "")) for t in body.get("tools") or []]
         return conv
 

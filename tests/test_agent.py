@@ -1,0 +1,107 @@
+"""Agent and session set-up: laziness, bad input, closing. Backend-independent where it can be."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import leftovers
+
+import shoal
+from shoal.backends import REGISTRY
+
+
+def test_unknown_backend_lists_the_known_ones() -> None:
+    with pytest.raises(shoal.UnknownBackend) as info:
+        shoal.Agent("copilot")
+    for name in REGISTRY:
+        assert name in str(info.value)
+
+
+def test_missing_cli_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHOAL_OPENCODE_BIN", "/nonexistent/opencode")
+    with pytest.raises(shoal.CLINotFound) as info:
+        shoal.Agent("opencode")
+    assert "npm" in str(info.value) and "opencode-ai" in str(info.value)
+
+
+def test_bad_model_name_is_refused_up_front() -> None:
+    with pytest.raises(shoal.BadModel) as info:
+        shoal.Agent("opencode", model="nonsense")
+    assert "provider/model" in str(info.value)
+
+
+def test_unknown_model_fails_the_turn_by_name(workdir: Path) -> None:
+    with shoal.Agent("opencode", model="nosuch/model") as agent:
+        with pytest.raises(shoal.TurnFailed) as info:
+            agent.session(where=workdir).run("hello")
+    assert "nosuch/model" in str(info.value)
+
+
+def test_missing_directory_is_an_error_at_open(tmp_path: Path) -> None:
+    with shoal.Agent("opencode") as agent, pytest.raises(shoal.PlaceError) as info:
+        agent.session(where=tmp_path / "nope")
+    assert "does not exist" in str(info.value)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_ten_thousand_sessions_cost_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    agent = shoal.Agent("opencode", home=home)
+    threads, fds, children = threading.active_count(), _fds(), shoal.procs.tagged_pids(f"SHOAL_AGENT={agent.id}")
+    sessions = [agent.session(where=tmp_path) for _ in range(10_000)]
+    assert len(sessions) == 10_000 and all(not s.started for s in sessions)
+    assert threading.active_count() == threads
+    assert _fds() == fds
+    assert shoal.procs.tagged_pids(f"SHOAL_AGENT={agent.id}") == children == []
+    assert not home.exists()  # not even the agent's home directory
+    agent.close()
+
+
+def test_closing_the_agent_stops_running_turns(workdir: Path) -> None:
+    import asyncio
+
+    async def main() -> None:
+        agent = shoal.Agent("opencode")
+        task = asyncio.create_task(agent.session(where=workdir).arun("#! sleep 30"))
+        await asyncio.sleep(2)
+        await agent.aclose()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert leftovers(agent.id, settle=1.0) == []
+
+    asyncio.run(main())
+
+
+def test_clone_is_a_new_agent_with_changed_settings() -> None:
+    with shoal.Agent("opencode") as a:
+        b = a.clone(turn_timeout=5)
+        assert b.id != a.id and b.settings.turn_timeout == 5 and b.settings.model == a.settings.model
+        b.close()
+
+
+def test_ask_permissions_become_deny() -> None:
+    with shoal.Agent("opencode", permissions={"webfetch": "ask"}) as a:
+        assert a.settings.permissions["webfetch"] == "deny"
+        assert "ask" not in a.settings.permissions.values()
+
+
+def test_blocking_call_inside_shoals_loop_is_refused(workdir: Path) -> None:
+    import asyncio
+
+    from shoal.runtime import runtime
+
+    async def inner() -> None:
+        agent = shoal.Agent("opencode")
+        try:
+            with pytest.raises(shoal.WrongLoop):
+                agent.session(where=workdir).run("#! say hi")
+        finally:
+            await agent.aclose()
+
+    asyncio.run(runtime.acall(inner()))

@@ -22,7 +22,7 @@ class CLINotFound(ShoalError):
         self.cli, self.package = cli, package
         super().__init__(
             (f"{detail}. " if detail else "")
-            + f"the {cli!r} command was not found. Install the pinned CLIs with `npm ci` in the shoal "
+            + f"the {cli!r} command was not found. Install the pinned CLIs with `bash scripts/setup.sh` in the shoal "
             f"checkout (or `npm install -g {package}`), or point ${cli.upper()}_BIN / "
             f"SHOAL_{cli.upper()}_BIN at the executable."
         )

@@ -33,7 +33,6 @@ class Messages:
                 conv.system_text += text_of(content) + "\n"
             elif role == "user":
                 blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
-                said: list[str] = []
                 for b in blocks:
                     if not isinstance(b, dict):
                         continue
@@ -42,10 +41,10 @@ class Messages:
                     elif b.get("type") == "text":
                         text = str(b.get("text", ""))
                         conv.system_text += "".join(REMINDER.findall(text)) + "\n"
+                        # One block, one prompt: a turn that got no answer (a failed one) is
+                        # merged by Claude Code into the next turn's message as an earlier block.
                         if spoken := REMINDER.sub("", text).strip():
-                            said.append(spoken)
-                if said:  # after any tool results in the same message: the user spoke last
-                    conv.add_user("\n".join(said))
+                            conv.add_user(spoken)
         conv.tools = [str(t.get("name", "")) for t in body.get("tools") or []]
         return conv
 

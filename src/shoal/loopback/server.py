@@ -81,8 +81,9 @@ class LoopbackModel:
         self.stop()
 
     def serve_forever(self) -> None:
-        """Block until interrupted (for `shoal loopback`)."""
-        self.start()
+        """Block until interrupted (for `shoal loopback`); starts the server if need be."""
+        if self._server is None:
+            self.start()
         assert self._thread is not None
         try:
             while self._thread.is_alive():

@@ -32,7 +32,7 @@ def _digest(path: Path) -> str:
 def _files(root: Path) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
+        dirnames[:] = [d for d in dirnames if d not in (".git", "__pycache__")]  # not work
         for name in filenames:
             p = Path(dirpath) / name
             out[str(p.relative_to(root))] = p

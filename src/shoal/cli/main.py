@@ -1,0 +1,42 @@
+"""The `shoal` command: parse, dispatch, turn errors into one clear line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+
+COMMANDS = ("demo", "loopback")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shoal", description="One coding agent, many conversations at once.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"shoal.cli.{name}").add_parser(sub)
+    return p
+
+
+def _terminate(signum: int, frame: object) -> None:
+    # SIGTERM unwinds like Ctrl-C, so every CLI process is stopped on the way out
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    from shoal.errors import ShoalError
+
+    try:
+        return int(args.func(args) or 0)
+    except ShoalError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shoal: stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The sample project's package."""

@@ -7,9 +7,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import leftovers
 
 import shoal
+from conftest import leftovers
 from shoal.backends import REGISTRY
 
 
@@ -34,9 +34,8 @@ def test_bad_model_name_is_refused_up_front() -> None:
 
 
 def test_unknown_model_fails_the_turn_by_name(workdir: Path) -> None:
-    with shoal.Agent("opencode", model="nosuch/model") as agent:
-        with pytest.raises(shoal.TurnFailed) as info:
-            agent.session(where=workdir).run("hello")
+    with shoal.Agent("opencode", model="nosuch/model") as agent, pytest.raises(shoal.TurnFailed) as info:
+        agent.session(where=workdir).run("hello")
     assert "nosuch/model" in str(info.value)
 
 
@@ -105,3 +104,23 @@ def test_blocking_call_inside_shoals_loop_is_refused(workdir: Path) -> None:
             await agent.aclose()
 
     asyncio.run(runtime.acall(inner()))
+
+
+def test_a_turn_needs_no_network_beyond_loopback(workdir: Path) -> None:
+    """In a network namespace holding only `lo`, a real turn still completes."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root for a private network namespace")
+    script = (
+        "import shoal\n"
+        "with shoal.Agent('opencode') as a:\n"
+        f"    print(a.session({str(workdir)!r}).run('#! write x.txt offline\\n#! say fine').text)\n"
+    )
+    out = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"$0\"", script],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "fine"
+    assert (workdir / "x.txt").read_text().strip() == "offline"

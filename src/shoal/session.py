@@ -129,11 +129,15 @@ class Session:
             await self._queue.wait(ticket)
             if self._conv is None:
                 self.backend.settings.home.mkdir(parents=True, exist_ok=True)
-                self._conv = Conversation(cwd=await self.place.open())
+                cwd = await self.place.open()
+                self._conv = Conversation(cwd=cwd, env=self.place.env())
             limit = timeout if timeout is not None else self.timeout
             try:
                 async with asyncio.timeout(limit):
-                    return await self._drive(prompt, sink)
+                    try:
+                        return await self._drive(prompt, sink)
+                    finally:
+                        await self.place.after_turn()
             except TimeoutError:
                 raise TurnTimeout(f"turn ran past {limit} s and was stopped", backend=self.backend.name,
                                   session_id=self.session_id) from None

@@ -55,6 +55,9 @@ class Conversation:
     cwd: Path
     session_id: str | None = None
     state: dict[str, Any] = field(default_factory=dict)  # a held-open process, a thread id...
+    # extra environment the place asks for (e.g. a SHELL that lands commands in a container);
+    # every process a backend starts for this conversation gets it on top of its own
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class Backend(Protocol):

@@ -121,7 +121,7 @@ class OpenCode:
             if self._db_ready:
                 gate.release()
                 gate = None
-        proc = await Proc.spawn(self._argv(conv), cwd=conv.cwd, env=self.env, stdin=True)
+        proc = await Proc.spawn(self._argv(conv), cwd=conv.cwd, env={**self.env, **conv.env}, stdin=True)
         error: dict[str, Any] | None = None
         said_anything = False
         try:

@@ -24,6 +24,14 @@ class Place(Protocol):
         """Make the place (first turn only) and return the directory the CLI runs in."""
         ...
 
+    def env(self) -> dict[str, str]:
+        """Extra environment for the CLI working here (after `open`); most places need none."""
+        ...
+
+    async def after_turn(self) -> None:
+        """Called after every turn (e.g. to carry edits to a remote target); most do nothing."""
+        ...
+
     async def close(self) -> str | None:
         """Give the place back. Returns a note when something was kept (and why), else None."""
         ...

@@ -84,6 +84,12 @@ class Copy:
     def changes(self) -> list[str]:
         return changed_files(self.source, self.path) if self.path else []
 
+    def env(self) -> dict[str, str]:
+        return {}
+
+    async def after_turn(self) -> None:
+        return None
+
     async def close(self) -> str | None:
         if self.path is None or not self.path.exists():
             return None

@@ -22,6 +22,12 @@ class Here:
         self.check()  # it may have gone away since the session was opened
         return self.path
 
+    def env(self) -> dict[str, str]:
+        return {}
+
+    async def after_turn(self) -> None:
+        return None
+
     async def close(self) -> str | None:
         return None
 

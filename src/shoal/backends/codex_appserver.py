@@ -10,6 +10,10 @@ reader and sessions never wait on each other.
 If the server dies, every pending request and every subscribed thread hears about it at
 once (`None` on a queue). The next turn starts a new server and resumes its thread there
 (`thread/resume`): history lives in CODEX_HOME's rollout files, not in the process.
+
+A turn given up on (cancelled, timed out) is interrupted (`turn/interrupt`) and its
+commands killed (`thread/backgroundTerminals/clean`); if no other turn is running on the
+server, the server is stopped too, so nothing of the turn can live on.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ class AppServer:
         self._threads: dict[str, asyncio.Queue[dict[str, Any] | None]] = {}
         self._write_lock = asyncio.Lock()
         self.dead = False
+        self._mourned = False  # waiters were told (once) that the server is gone
+        self.turns = 0  # turns in flight (kept by ServerTransport)
+        self._tasks: set[asyncio.Task[None]] = set()
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
@@ -68,15 +75,17 @@ class AppServer:
         try:
             await server.request("initialize", {
                 "clientInfo": {"name": "shoal", "title": "shoal", "version": "0.1.0"},
-                "capabilities": {"optOutNotificationMethods": OPT_OUT},
+                # experimentalApi: for thread/backgroundTerminals/clean, the only way to stop the
+                # commands of a turn we interrupt (codex keeps them running for the thread otherwise)
+                "capabilities": {"optOutNotificationMethods": OPT_OUT, "experimentalApi": True},
             }, timeout=init_timeout)
             await server._send({"method": "initialized"})
         except (TimeoutError, RpcError) as exc:
             await server.close()
             raise ProtocolMismatch(
-                f"codex {version} did not complete the app-server handshake ({exc or 'no answer'}); "
-                f"shoal speaks the protocol of codex {pinned}. Install the pinned CLI with `npm ci` in the "
-                f"shoal checkout, or use transport='run'.\n{proc.stderr_tail()}"
+                f"codex {version} did not complete the app-server handshake ({exc or 'no answer'}); shoal "
+                f"speaks the protocol of codex {pinned}. Install the pinned CLI with `bash scripts/setup.sh` "
+                f"in the shoal checkout, or use transport='run'.\n{proc.stderr_tail()}"
             ) from exc
         except BaseException:
             await server.close()
@@ -140,7 +149,9 @@ class AppServer:
         if method is not None and "id" in msg:
             # A request from the server (an approval, a question). Approval policy "never" means
             # none should come; answering at once keeps a turn from waiting on a human forever.
-            asyncio.get_running_loop().create_task(self._refuse(msg["id"], str(method)))
+            task = asyncio.get_running_loop().create_task(self._refuse(msg["id"], str(method)))
+            self._tasks.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._tasks.discard)
         elif method is not None:
             params = msg.get("params") or {}
             thread_id = params.get("threadId") or (params.get("thread") or {}).get("id")
@@ -162,7 +173,9 @@ class AppServer:
             await self._send({"id": rid, "error": {"code": -32601, "message": f"shoal does not answer {method}"}})
 
     def _die(self) -> None:
-        self.dead = True
+        if self._mourned:
+            return
+        self.dead = self._mourned = True
         for _method, fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(self.crashed("with a request pending"))
@@ -236,6 +249,14 @@ class ServerTransport:
 
     async def turn(self, conv: Any, prompt: str) -> AsyncIterator[Event]:
         server = await self._get()
+        server.turns += 1  # no await since _get: a server counted busy is never retired under us
+        try:
+            async for ev in self._drive(server, conv, prompt):
+                yield ev
+        finally:
+            server.turns -= 1
+
+    async def _drive(self, server: AppServer, conv: Any, prompt: str) -> AsyncIterator[Event]:
         async for ev in self._open(server, conv):
             yield ev
         thread_id = str(conv.session_id)
@@ -259,6 +280,10 @@ class ServerTransport:
         finally:
             if sent and (state is None or not state.done) and not server.dead:
                 await self._interrupt(server, thread_id, state.turn_id if state else None, queue)
+                if server.turns == 1:
+                    # Given up on, and nothing else runs here: stopping the server is the surest way
+                    # that nothing of this turn lives on, and costs the next turn one cold start.
+                    await server.close()
             server.unsubscribe(thread_id)
 
     async def _interrupt(self, server: AppServer, thread_id: str, turn_id: str | None,
@@ -277,18 +302,27 @@ class ServerTransport:
                 while (msg := await queue.get()) is not None:
                     params = msg.get("params") or {}
                     if msg.get("method") == "turn/completed" and (params.get("turn") or {}).get("id") == turn_id:
-                        return
+                        break
+                await self._clean(server, thread_id)
         except (TimeoutError, TurnFailed):
             # The turn would not stop: only stopping the server guarantees it does nothing more.
             await server.close()
 
+    @staticmethod
+    async def _clean(server: AppServer, thread_id: str) -> None:
+        """Kill the thread's background terminals: commands an interrupted turn left running."""
+        with contextlib.suppress(RpcError):
+            await server.request("thread/backgroundTerminals/clean", {"threadId": thread_id},
+                                 timeout=INTERRUPT_TIMEOUT)
+
     async def forget(self, thread_id: str) -> None:
-        """The session is over: let the server unload its thread (best effort, bounded)."""
+        """The session is over: stop its commands, let the server unload its thread (bounded)."""
         server = self.server
         if server is None or server.dead:
             return
         server.unsubscribe(thread_id)
         with contextlib.suppress(TimeoutError, RpcError, TurnFailed):
+            await self._clean(server, thread_id)
             await server.request("thread/unsubscribe", {"threadId": thread_id}, timeout=INTERRUPT_TIMEOUT)
 
     async def close(self) -> None:

@@ -40,14 +40,22 @@ def workdir(tmp_path: Path) -> Path:
     return d
 
 
-def leftovers(agent_id: str, settle: float = 3.0) -> list[int]:
-    """Processes still carrying this agent's tag, after giving exits a moment to land."""
+def leftovers(agent_id: str, settle: float = 3.0) -> list[str]:
+    """Processes still carrying this agent's tag (pid and command line), after a moment to exit."""
     deadline = time.monotonic() + settle
     while True:
         pids = tagged_pids(f"SHOAL_AGENT={agent_id}")
         if not pids or time.monotonic() > deadline:
-            return pids
+            return [f"{pid}: {_cmdline(pid)}" for pid in pids]
         time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "(gone)"
 
 
 @pytest.fixture(params=BACKENDS)

@@ -10,11 +10,11 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 # module prefix -> layer; a module may import only from its own layer or below
 LAYERS = {
     "errors": 0, "reply": 0, "prices": 0, "loopback": 0,
-    "procs": 1, "runtime": 1,
+    "procs": 1, "runtime": 1, "scope": 1,
     "backends": 2, "places": 2,
     "session": 3,
     "agent": 4,
-    "demo": 5,
+    "flows": 5, "loader": 5, "journal": 5, "perfetto": 5, "demo": 5,
     "cli": 6,
 }
 

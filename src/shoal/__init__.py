@@ -4,7 +4,10 @@ from shoal.agent import Agent
 from shoal.errors import (
     BackendCrashed,
     BadModel,
+    BudgetExceeded,
     CLINotFound,
+    FlowDepthExceeded,
+    FlowError,
     PlaceError,
     ProtocolMismatch,
     ProviderError,
@@ -14,6 +17,8 @@ from shoal.errors import (
     UnknownBackend,
     WrongLoop,
 )
+from shoal.flows import Branch, Budget, Flow, current, flow, run
+from shoal.loader import load
 from shoal.places import Copy, Here, Place
 from shoal.prices import Price, set_price
 from shoal.reply import Event, Notice, Reply, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
@@ -25,9 +30,15 @@ __all__ = [
     "Agent",
     "BackendCrashed",
     "BadModel",
+    "Branch",
+    "Budget",
+    "BudgetExceeded",
     "CLINotFound",
     "Copy",
     "Event",
+    "Flow",
+    "FlowDepthExceeded",
+    "FlowError",
     "Here",
     "Notice",
     "Place",
@@ -49,5 +60,9 @@ __all__ = [
     "UnknownBackend",
     "Usage",
     "WrongLoop",
+    "current",
+    "flow",
+    "load",
+    "run",
     "set_price",
 ]

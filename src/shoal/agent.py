@@ -23,6 +23,7 @@ from shoal import backends
 from shoal.backends.base import DEFAULT_PERMISSIONS, Settings
 from shoal.places import Place, as_place
 from shoal.runtime import runtime
+from shoal.scope import current_scope
 from shoal.session import Session
 
 log = logging.getLogger("shoal")
@@ -93,6 +94,9 @@ class Agent:
         place.check()
         s = Session(self.backend, place, name=name, timeout=self.settings.turn_timeout)
         self.sessions.append(s)
+        scope = current_scope()
+        if scope is not None:
+            scope.adopt(s)  # opened inside a flow: the flow's branch closes it when it ends
         return s
 
     def clone(self, **changes: Any) -> Agent:

@@ -80,3 +80,19 @@ class ProtocolMismatch(ShoalError):
 
 class WrongLoop(ShoalError, RuntimeError):
     """A blocking call was made from shoal's own event loop, where it would deadlock."""
+
+
+class FlowError(ShoalError):
+    """A flow could not be loaded or called (bad file, bad reference, not a coroutine)."""
+
+
+class FlowDepthExceeded(FlowError):
+    """A chain of flow calls went deeper than the bottom (64)."""
+
+
+class BudgetExceeded(ShoalError):
+    """A flow's budget (cost, tokens or seconds) ran out; the work under it was stopped."""
+
+    def __init__(self, message: str, *, kind: str, flow: str, limit: float, spent: float) -> None:
+        self.kind, self.flow, self.limit, self.spent = kind, flow, limit, spent
+        super().__init__(message)

@@ -66,7 +66,7 @@ class Proc:
         cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False
     ) -> Proc:
         tag = uuid.uuid4().hex
-        proc = await asyncio.create_subprocess_exec(
+        creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv,
             cwd=str(cwd),
             env={**env, TAG: tag},
@@ -75,8 +75,14 @@ class Proc:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
             limit=STDOUT_LIMIT,
-        )
-        return cls(proc, tag, argv)
+        ))
+        try:
+            return cls(await asyncio.shield(creating), tag, argv)
+        except asyncio.CancelledError:
+            # cancelled while the process was being made: it exists all the same, so stop it
+            with contextlib.suppress(Exception):
+                await cls(await creating, tag, argv).stop()
+            raise
 
     @property
     def returncode(self) -> int | None:

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import queue
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from shoal.backends.base import Backend, Conversation
 from shoal.errors import TurnFailed, TurnTimeout
 from shoal.places.base import Place
 from shoal.prices import priced
-from shoal.reply import Event, Reply, StepUsage, Text, ToolFinished, Usage
+from shoal.reply import Event, Notice, Reply, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
 from shoal.runtime import runtime
+from shoal.scope import current_scope
 
 if TYPE_CHECKING:
     Sink = Callable[[Event], None]
@@ -147,22 +150,36 @@ class Session:
 
     async def _drive(self, prompt: str, sink: Sink | None) -> Reply:
         assert self._conv is not None
+        scope = current_scope()
+        if scope is not None:
+            scope.check()
         events: list[Event] = []
         usage = Usage()
         started = time.monotonic()
         self.turns += 1
-        async with contextlib.aclosing(self.backend.turn(self._conv, prompt)) as stream:
-            async for ev in stream:
-                events.append(ev)
-                if isinstance(ev, StepUsage):
-                    usage += ev.usage
-                if sink is not None:
-                    sink(ev)
-                if self.on_event is not None:
-                    self.on_event(self, ev)
+        turn = self.turns
+        note = scope.record if scope is not None else _ignore
+        note("turn.began", session=self.id, turn=turn, prompt=prompt[:2000])
+        try:
+            async with contextlib.aclosing(self.backend.turn(self._conv, prompt)) as stream:
+                async for ev in stream:
+                    events.append(ev)
+                    if isinstance(ev, StepUsage):
+                        usage += ev.usage
+                    self._note_event(note, turn, ev)
+                    if sink is not None:
+                        sink(ev)
+                    if self.on_event is not None:
+                        self.on_event(self, ev)
+        except BaseException as exc:
+            stopped = isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
+            note("turn.ended", session=self.id, turn=turn, status="stopped" if stopped else "failed",
+                 error=f"{type(exc).__name__}: {exc}"[:2000], seconds=time.monotonic() - started,
+                 usage=asdict(priced(self.backend.settings.model, usage)))
+            raise
         usage = priced(self.backend.settings.model, usage)
         self.usage += usage
-        return Reply(
+        reply = Reply(
             text=_final_text(events),
             session_id=self._conv.session_id or "",
             backend=self.backend.name,
@@ -171,6 +188,26 @@ class Session:
             seconds=time.monotonic() - started,
             events=tuple(events),
         )
+        note("turn.ended", session=self.id, turn=turn, status="ok", seconds=reply.seconds,
+             usage=asdict(usage), text=reply.text[:2000])
+        if scope is not None:
+            scope.charge(usage)  # may raise BudgetExceeded: the turn is done, the budget is not
+        return reply
+
+    def _note_event(self, note: Callable[..., None], turn: int, ev: Event) -> None:
+        if isinstance(ev, Started):
+            settings = self.backend.settings
+            note("session.opened", session=self.id, name=self.name, agent=settings.agent_id,
+                 backend=self.backend.name, model=settings.model, place=self.place.describe(),
+                 cwd=self.cwd, backend_session=ev.session_id, transport=settings.transport)
+        elif isinstance(ev, ToolStarted):
+            note("tool.started", session=self.id, turn=turn, call=ev.call_id, tool=ev.tool,
+                 input=_short(ev.input))
+        elif isinstance(ev, ToolFinished):
+            note("tool.finished", session=self.id, turn=turn, call=ev.call_id, tool=ev.tool,
+                 exit_code=ev.exit_code, ok=ev.ok, output=ev.output[-500:])
+        elif isinstance(ev, Notice):
+            note("notice", session=self.id, turn=turn, what=ev.kind, message=ev.message)
 
     async def _close(self) -> str | None:
         self.closed = True
@@ -182,6 +219,15 @@ class Session:
             return None
         await self.backend.end(self._conv)
         return await self.place.close()
+
+
+def _ignore(kind: str, **fields: object) -> None:
+    return None
+
+
+def _short(value: object, limit: int = 500) -> object:
+    text = json.dumps(value, default=str)
+    return value if len(text) <= limit else text[:limit] + "..."
 
 
 def _final_text(events: list[Event]) -> str:

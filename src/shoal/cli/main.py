@@ -7,7 +7,7 @@ import importlib
 import signal
 import sys
 
-COMMANDS = ("demo", "loopback")
+COMMANDS = ("demo", "loopback", "run", "trace")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -18,8 +18,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+_stopped_by = {"code": 130}
+
+
 def _terminate(signum: int, frame: object) -> None:
     # SIGTERM unwinds like Ctrl-C, so every CLI process is stopped on the way out
+    _stopped_by["code"] = 143
     raise KeyboardInterrupt
 
 
@@ -35,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("shoal: stopped", file=sys.stderr)
-        return 130
+        return _stopped_by["code"]
 
 
 if __name__ == "__main__":

@@ -6,13 +6,19 @@ messages, next to the real prompt and even in a later turn's message. Those bloc
 not the user speaking: they are moved to the system text block by block, so a prompt without
 directives ("remember: apple") still counts as a user text. Older builds put the environment
 in a `role: system` message entry; that is still accepted.
+
+Claude Code's Write refuses to overwrite a file the conversation has not Read (or that changed
+since). So `#! write` on a file that already exists first calls Read on it; that call is not a
+step of the script (its result is not counted), and the next request makes the Write.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.loopback.script import Conversation, FinalMove, ToolMove, absolute, shell_write
@@ -22,21 +28,39 @@ from shoal.loopback.wire import INPUT_TOKENS, OUTPUT_TOKENS, fill_required, new_
 REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 
 
+@dataclass
+class ClaudeConversation(Conversation):
+    read: set[str] = field(default_factory=set)  # files Read since the latest user text
+
+    def add_user(self, text: str) -> None:
+        said = len(self.user_texts)
+        super().add_user(text)
+        if len(self.user_texts) != said:
+            self.read.clear()
+
+
 class Messages:
     name = "messages"
 
     def conversation(self, body: dict[str, Any]) -> Conversation:
-        conv = Conversation(system_text=text_of(body.get("system")) + "\n")
+        conv = ClaudeConversation(system_text=text_of(body.get("system")) + "\n")
+        reads: dict[str, str] = {}  # tool_use id of a Read -> its file
         for msg in body.get("messages") or []:
             role, content = msg.get("role"), msg.get("content")
-            if role == "system":  # Claude Code puts its environment block here
+            if role == "system":  # older builds put their environment block here
                 conv.system_text += text_of(content) + "\n"
+            elif role == "assistant" and isinstance(content, list):
+                for b in content:
+                    if isinstance(b, dict) and b.get("type") == "tool_use" and b.get("name") == "Read":
+                        reads[str(b.get("id"))] = str((b.get("input") or {}).get("file_path", ""))
             elif role == "user":
                 blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
                 for b in blocks:
                     if not isinstance(b, dict):
                         continue
-                    if b.get("type") == "tool_result":
+                    if b.get("type") == "tool_result" and str(b.get("tool_use_id")) in reads:
+                        conv.read.add(reads[str(b.get("tool_use_id"))])  # a Read before a write
+                    elif b.get("type") == "tool_result":
                         conv.add_result()
                     elif b.get("type") == "text":
                         text = str(b.get("text", ""))
@@ -52,9 +76,13 @@ class Messages:
         if isinstance(move, FinalMove):
             return {"type": "text", "text": move.text}
         schemas = {t.get("name"): t.get("input_schema") for t in body.get("tools") or []}
-        if move.kind == "write" and "Write" in schemas:
+        path = absolute(move.path, conv.cwd)
+        read = conv.read if isinstance(conv, ClaudeConversation) else set()
+        if move.kind == "write" and "Read" in schemas and os.path.isfile(path) and path not in read:
+            name, args = "Read", {"file_path": path}  # Write overwrites only what was Read
+        elif move.kind == "write" and "Write" in schemas:
             name = "Write"
-            args = {"file_path": absolute(move.path, conv.cwd), "content": move.text + "\n"}
+            args = {"file_path": path, "content": move.text + "\n"}
         else:
             name = "Bash"
             args = {"command": move.command if move.kind == "run" else shell_write(move.path, move.text)}

@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import shoal
 from shoal import backends
 from shoal.loopback import LoopbackModel, shared
 from shoal.procs import tagged_pids
@@ -24,7 +26,22 @@ def available_backends() -> list[str]:
     return names
 
 
+# A backend's other transports run the suite too, as "name:transport"; plain "name" is its default.
+OTHER_TRANSPORTS: dict[str, list[str]] = {"opencode": ["run"]}
 BACKENDS = available_backends()
+BACKENDS += [f"{name}:{t}" for name in list(BACKENDS) for t in OTHER_TRANSPORTS.get(name, [])]
+
+
+def make_agent(backend: str, **kwargs: Any) -> shoal.Agent:
+    """An agent for a suite entry: "name" (its default transport) or "name:transport"."""
+    name, _, transport = backend.partition(":")
+    return shoal.Agent(name, transport=transport or None, **kwargs)
+
+
+def stray(agent: shoal.Agent, settle: float = 1.0) -> list[Any]:
+    """What turns left behind: the agent's tagged processes, less those its backend holds by design."""
+    held = {str(pid) for pid in getattr(agent.backend, "held_pids", list)()}
+    return [p for p in leftovers(agent.id, settle) if str(p).split(":")[0] not in held]
 
 
 @pytest.fixture(scope="session")

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import leftovers
 
 import shoal
+from conftest import leftovers, make_agent, stray
 from shoal.loopback import INPUT_TOKENS, OUTPUT_TOKENS, LoopbackModel
 from shoal.prices import PRICES
 
@@ -36,7 +37,7 @@ def requests_with(loopback: LoopbackModel, marker: str) -> list[shoal.loopback.R
 
 
 def test_turn_writes_file_and_runs_command(backend: str, workdir: Path, loopback: LoopbackModel) -> None:
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
         r = s.run("#! write notes/a.txt hello from shoal\n#! run cat notes/a.txt && echo ran > ran.txt")
         assert (workdir / "notes" / "a.txt").read_text().strip() == "hello from shoal"
@@ -55,7 +56,7 @@ def test_turn_writes_file_and_runs_command(backend: str, workdir: Path, loopback
 
 
 def test_second_turn_recalls_the_first(backend: str, workdir: Path) -> None:
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
         s.run("remember: pelican\n#! say noted")
         r = s.run("#! recall")
@@ -72,7 +73,7 @@ def test_eight_sessions_at_once(backend: str, tmp_path: Path, loopback: Loopback
     tag = f"eight-{backend}-{time.time_ns()}"
 
     async def main() -> list[shoal.Reply]:
-        async with shoal.Agent(backend) as agent:
+        async with make_agent(backend) as agent:
             sessions = [agent.session(where=d) for d in dirs]
             return await asyncio.gather(*(
                 s.arun(f"{tag}-{i}\n#! sleep 1\n#! write out.txt {i}\n#! say done {i}") for i, s in enumerate(sessions)
@@ -94,7 +95,7 @@ def test_turns_on_one_session_queue_in_call_order(backend: str, workdir: Path, l
     tag = f"q-{backend}-{time.time_ns()}"
 
     async def main() -> list[shoal.Reply]:
-        async with shoal.Agent(backend) as agent:
+        async with make_agent(backend) as agent:
             s = agent.session(where=workdir)
             return await asyncio.gather(
                 s.arun(f"{tag}-A\n#! sleep 1.5\n#! say A"), s.arun(f"{tag}-B\n#! say B"), s.arun(f"{tag}-C\n#! say C")
@@ -110,7 +111,7 @@ def test_turns_on_one_session_queue_in_call_order(backend: str, workdir: Path, l
 
 def test_blocking_calls_from_threads_queue_too(backend: str, workdir: Path, loopback: LoopbackModel) -> None:
     tag = f"thr-{backend}-{time.time_ns()}"
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
         out: dict[str, str] = {}
         first = threading.Thread(target=lambda: out.__setitem__("A", s.run(f"{tag}-A\n#! sleep 1\n#! say A").text))
@@ -126,9 +127,13 @@ def test_blocking_calls_from_threads_queue_too(backend: str, workdir: Path, loop
 
 def test_blocking_and_awaited_twins_answer_alike(backend: str, workdir: Path) -> None:
     prompt = "#! write f.txt same\n#! run cat f.txt\n#! say twins"
-    with shoal.Agent(backend) as agent:
-        blocking = agent.session(where=workdir).run(prompt)
-        awaited = asyncio.run(agent.session(where=workdir).arun(prompt))
+    twin = workdir / "twin"  # the same path, made afresh for each twin: same inputs, same answers
+    with make_agent(backend) as agent:
+        twin.mkdir()
+        blocking = agent.session(where=twin).run(prompt)
+        shutil.rmtree(twin)
+        twin.mkdir()
+        awaited = asyncio.run(agent.session(where=twin).arun(prompt))
     assert blocking == awaited
     assert blocking.session_id != awaited.session_id
 
@@ -144,7 +149,7 @@ def test_awaited_turn_never_blocks_the_loop(backend: str, workdir: Path) -> None
                 ticks += 1
                 await asyncio.sleep(0.02)
 
-        async with shoal.Agent(backend) as agent:
+        async with make_agent(backend) as agent:
             t = asyncio.create_task(ticker())
             reply = await agent.session(where=workdir).arun("#! sleep 1.5\n#! say slept")
             stop.set()
@@ -158,7 +163,7 @@ def test_awaited_turn_never_blocks_the_loop(backend: str, workdir: Path) -> None
 
 
 def test_stream_yields_events_then_one_reply(backend: str, workdir: Path) -> None:
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
         items = list(s.stream("#! run echo streamed\n#! say fin"))
 
@@ -176,7 +181,7 @@ def test_cancelling_an_awaited_turn_stops_every_process(backend: str, workdir: P
     tag = f"cancel-{backend}-{time.time_ns()}"
 
     async def main() -> str:
-        async with shoal.Agent(backend) as agent:
+        async with make_agent(backend) as agent:
             s = agent.session(where=workdir)
             task = asyncio.create_task(s.arun(f"{tag}\n#! run sleep 30 && echo late > late.txt"))
             await asyncio.to_thread(wait_for_request, loopback, tag)
@@ -184,7 +189,7 @@ def test_cancelling_an_awaited_turn_stops_every_process(backend: str, workdir: P
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert leftovers(agent.id, settle=1.0) == []
+            assert stray(agent) == []
             return (await s.arun("#! say still here")).text
 
     assert asyncio.run(main()) == "still here"
@@ -193,7 +198,7 @@ def test_cancelling_an_awaited_turn_stops_every_process(backend: str, workdir: P
 
 def test_ctrl_c_on_a_blocking_turn_stops_every_process(backend: str, workdir: Path, loopback: LoopbackModel) -> None:
     tag = f"sigint-{backend}-{time.time_ns()}"
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
 
         def interrupt() -> None:
@@ -204,21 +209,21 @@ def test_ctrl_c_on_a_blocking_turn_stops_every_process(backend: str, workdir: Pa
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             s.run(f"{tag}\n#! run sleep 30")
-        assert leftovers(agent.id, settle=1.0) == []
+        assert stray(agent) == []
         assert s.run("#! say after").text == "after"
 
 
 def test_turn_timeout_stops_the_turn(backend: str, workdir: Path) -> None:
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
         with pytest.raises(shoal.TurnTimeout):
             s.run("#! sleep 30", timeout=2)
-        assert leftovers(agent.id, settle=1.0) == []
+        assert stray(agent) == []
         assert s.run("#! say ok again").text == "ok again"
 
 
 def test_provider_error_is_named_and_session_survives(backend: str, workdir: Path, loopback: LoopbackModel) -> None:
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
         with pytest.raises(shoal.ProviderError) as info:
             s.run("#! fail 401")
@@ -230,7 +235,7 @@ def test_provider_error_is_named_and_session_survives(backend: str, workdir: Pat
 
 def test_killed_cli_is_a_named_error(backend: str, workdir: Path, loopback: LoopbackModel) -> None:
     tag = f"kill-{backend}-{time.time_ns()}"
-    with shoal.Agent(backend) as agent:
+    with make_agent(backend) as agent:
         s = agent.session(where=workdir)
         s.run("remember: heron")
 

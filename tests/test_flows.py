@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import shoal
-from conftest import BACKENDS, leftovers
+from conftest import BACKENDS, leftovers, stray
 from shoal import journal, perfetto
 
 
@@ -153,7 +153,7 @@ def test_a_deadline_above_cancels_running_turns_and_their_clis(runs: Path, workd
             shoal.run(boss.options(timeout=6), agent)
         assert time.monotonic() - t0 < 25  # it did not wait for the sleeps
         assert info.value.kind == "seconds"
-        assert leftovers(agent.id, settle=1.0) == []
+        assert stray(agent) == []
     run = journal.read(base=runs)
     assert [c.status for c in run.roots[0].children] == ["stopped", "stopped"]
     assert all(t.status == "stopped" for s in run.all_sessions() for t in s.turns)
@@ -183,7 +183,7 @@ def test_a_taskgroup_losing_a_branch_cancels_the_rest(runs: Path, workdir: Path)
             shoal.run(group, agent)
         except* Broken as eg:
             assert [type(e) for e in eg.exceptions] == [Broken]
-        assert leftovers(agent.id, settle=1.0) == []
+        assert stray(agent) == []
     statuses = {c.flow: c.status for c in journal.read(base=runs).roots[0].children}
     assert statuses == {"breaks": "failed", "waits": "stopped"}
 

@@ -10,12 +10,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 # module prefix -> layer; a module may import only from its own layer or below
 LAYERS = {
     "errors": 0, "reply": 0, "prices": 0, "loopback": 0,
-    "procs": 1, "runtime": 1, "scope": 1,
+    "procs": 1, "runtime": 1, "scope": 1, "journal": 1,
     "backends": 2, "places": 2,
-    "session": 3,
-    "agent": 4,
-    "flows": 5, "loader": 5, "journal": 5, "perfetto": 5, "demo": 5,
-    "cli": 6,
+    "session": 3, "flows": 3,
+    "fleet": 4,
+    "agent": 5,
+    "loader": 6, "perfetto": 6, "demo": 6,
+    "cli": 7,
 }
 
 

@@ -5,28 +5,39 @@ from shoal.errors import (
     BackendCrashed,
     BadModel,
     BudgetExceeded,
+    CanaryFailed,
+    CheckFailed,
     CLINotFound,
+    DirtyBase,
+    EngineNotFound,
     FlowDepthExceeded,
     FlowError,
+    HostUnreachable,
+    ImageNotFound,
+    KeyRefused,
+    NotAGitRepo,
+    NotStarted,
     PlaceError,
     ProtocolMismatch,
     ProviderError,
     ShoalError,
+    Stuck,
     TurnFailed,
     TurnTimeout,
     UnknownBackend,
     WrongLoop,
 )
-from shoal.flows import Branch, Budget, Flow, current, flow, run
-from shoal.loader import load
-from shoal.places import Copy, Here, Place
+from shoal.flows import Branch, Budget, Flow, current, flow
+from shoal.loader import load, run
+from shoal.places import SSH, Container, Copy, Here, Place, Worktree
 from shoal.prices import Price, set_price
-from shoal.reply import Event, Notice, Reply, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
+from shoal.reply import Check, Event, Notice, Reply, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
 from shoal.session import Session, TurnStream
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "SSH",
     "Agent",
     "BackendCrashed",
     "BadModel",
@@ -34,12 +45,23 @@ __all__ = [
     "Budget",
     "BudgetExceeded",
     "CLINotFound",
+    "CanaryFailed",
+    "Check",
+    "CheckFailed",
+    "Container",
     "Copy",
+    "DirtyBase",
+    "EngineNotFound",
     "Event",
     "Flow",
     "FlowDepthExceeded",
     "FlowError",
     "Here",
+    "HostUnreachable",
+    "ImageNotFound",
+    "KeyRefused",
+    "NotAGitRepo",
+    "NotStarted",
     "Notice",
     "Place",
     "PlaceError",
@@ -51,6 +73,7 @@ __all__ = [
     "ShoalError",
     "Started",
     "StepUsage",
+    "Stuck",
     "Text",
     "ToolFinished",
     "ToolStarted",
@@ -59,6 +82,7 @@ __all__ = [
     "TurnTimeout",
     "UnknownBackend",
     "Usage",
+    "Worktree",
     "WrongLoop",
     "current",
     "flow",

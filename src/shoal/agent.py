@@ -16,11 +16,13 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shoal import backends
+from shoal import backends, fleet
 from shoal.backends.base import DEFAULT_PERMISSIONS, Settings
+from shoal.fleet import Where
 from shoal.places import Place, as_place
 from shoal.runtime import runtime
 from shoal.scope import current_scope
@@ -98,6 +100,27 @@ class Agent:
         if scope is not None:
             scope.adopt(s)  # opened inside a flow: the flow's branch closes it when it ends
         return s
+
+    # --- batches -------------------------------------------------------------------------------
+
+    def batch(self, prompts: Sequence[Any], where: Where = None, *, limit: int | None = None,
+              suppress: bool = False, **guardrails: Any) -> list[Any]:
+        """One session apiece, answers in the order asked (blocking twin of `abatch`).
+
+        Guardrails: `canary`, `check` (a command run in each unit's place), `retries`,
+        `retry_prompt`, `cost_cap`, `on_update` (called with every unit whenever one moves).
+        """
+        return runtime.call(self._batch(prompts, where, limit, suppress, guardrails))
+
+    async def abatch(self, prompts: Sequence[Any], where: Where = None, *, limit: int | None = None,
+                     suppress: bool = False, **guardrails: Any) -> list[Any]:
+        """The awaited twin of `batch`: same arguments, same answers."""
+        return await runtime.acall(self._batch(prompts, where, limit, suppress, guardrails))
+
+    async def _batch(self, prompts: Sequence[Any], where: Where, limit: int | None, suppress: bool,
+                     guardrails: dict[str, Any]) -> list[Any]:
+        opts = fleet.Options(where=where, limit=limit, suppress=suppress, **guardrails)
+        return await fleet.run_batch(self, prompts, opts)
 
     def clone(self, **changes: Any) -> Agent:
         """An agent of its own with these settings changed (a new id, no sessions)."""

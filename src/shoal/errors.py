@@ -96,3 +96,50 @@ class BudgetExceeded(ShoalError):
     def __init__(self, message: str, *, kind: str, flow: str, limit: float, spent: float) -> None:
         self.kind, self.flow, self.limit, self.spent = kind, flow, limit, spent
         super().__init__(message)
+
+
+# --- places: each names what was wrong with where a session was asked to work ------------------
+
+
+class NotAGitRepo(PlaceError):
+    """A Worktree was asked of a directory that is not inside a git repository."""
+
+
+class DirtyBase(PlaceError):
+    """The repository a Worktree branches from has uncommitted changes (pass `allow_dirty=True`)."""
+
+
+class EngineNotFound(PlaceError):
+    """The container engine (podman, docker) is not installed, or its daemon cannot be reached."""
+
+
+class ImageNotFound(PlaceError):
+    """The container image is not in the engine's local store."""
+
+
+class HostUnreachable(PlaceError):
+    """An SSH target could not be reached (no route, refused, timed out, unknown name)."""
+
+
+class KeyRefused(PlaceError):
+    """An SSH target refused the key (or the host key did not match)."""
+
+
+class CheckFailed(ShoalError):
+    """A unit's acceptance check did not pass (after any retries)."""
+
+    def __init__(self, message: str, *, reply: object = None, check: object = None, tries: int = 1) -> None:
+        self.reply, self.check, self.tries = reply, check, tries
+        super().__init__(message)
+
+
+class Stuck(CheckFailed):
+    """A unit failed the same way twice in a row and was stopped instead of spending more."""
+
+
+class CanaryFailed(ShoalError):
+    """The first unit of a batch, run alone, failed: none of the rest were started."""
+
+
+class NotStarted(ShoalError):
+    """A unit that was never started (the batch's cost cap was reached first)."""

@@ -31,7 +31,6 @@ from shoal import scope
 from shoal.errors import BudgetExceeded, FlowDepthExceeded, FlowError
 from shoal.journal import Journal
 from shoal.reply import Usage
-from shoal.runtime import runtime
 
 MAX_DEPTH = 64
 
@@ -246,11 +245,3 @@ def flow(fn: Callable[..., Coroutine[Any, Any, Any]] | None = None, *, name: str
     if fn is None:
         return lambda f: Flow(f, name=name, budget=budget)
     return Flow(fn, name=name, budget=budget)
-
-
-def run(target: Flow | str | Path, *args: Any, **kwargs: Any) -> Any:
-    """The blocking entry: run a flow (or a reference `load` understands) to its end."""
-    from shoal.loader import load  # loader builds on this module
-
-    f = target if isinstance(target, Flow) else load(target)
-    return runtime.call(f(*args, **kwargs))

@@ -235,12 +235,12 @@ def read(ref: str | Path | None = None, base: Path | None = None) -> Run:
         elif kind in ("tool.started", "tool.finished") and (r["session"], r.get("turn")) in turns:
             tools = turns[(r["session"], r["turn"])].tools
             if kind == "tool.started":
-                tools.append({"call": r.get("call"), "tool": r.get("tool"), "input": r.get("input"),
+                tools.append({"call": r.get("tool_call"), "tool": r.get("tool"), "input": r.get("input"),
                               "began": r["t"], "ended": None})
             else:
-                match = next((t for t in reversed(tools) if t["call"] == r.get("call")), None)
+                match = next((t for t in reversed(tools) if t["call"] == r.get("tool_call")), None)
                 if match is None:
-                    match = {"call": r.get("call"), "tool": r.get("tool"), "began": r["t"]}
+                    match = {"call": r.get("tool_call"), "tool": r.get("tool"), "began": r["t"]}
                     tools.append(match)
                 match.update(ended=r["t"], exit_code=r.get("exit_code"), ok=r.get("ok"))
     return run

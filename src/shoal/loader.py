@@ -1,4 +1,4 @@
-"""`shoal.load`: a flow from a file, a package directory, or `module:name`.
+"""`shoal.load` (a flow from a file, a package directory, or `module:name`) and `shoal.run`.
 
 Whatever goes wrong is a `FlowError` naming the file and line: a file that does not import,
 a reference that names nothing, a function that is not `async def`.
@@ -18,6 +18,7 @@ from typing import Any
 
 from shoal.errors import FlowError
 from shoal.flows import Flow
+from shoal.runtime import runtime
 
 
 def load(ref: str | Path) -> Flow:
@@ -99,3 +100,9 @@ def _as_flow(obj: Any, where: str) -> Flow:
 
 def _names(module: ModuleType) -> str:
     return ", ".join(k for k, v in vars(module).items() if isinstance(v, Flow))
+
+
+def run(target: Flow | str | Path, *args: Any, **kwargs: Any) -> Any:
+    """The blocking entry: run a flow (or a reference `load` understands) to its end."""
+    f = target if isinstance(target, Flow) else load(target)
+    return runtime.call(f(*args, **kwargs))

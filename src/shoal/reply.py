@@ -74,6 +74,17 @@ Event = Started | Text | ToolStarted | ToolFinished | StepUsage | Notice
 
 
 @dataclass(frozen=True)
+class Check:
+    """An acceptance check run in a session's place after its turn."""
+
+    command: str
+    passed: bool
+    exit_code: int | None
+    output: str  # the tail of stdout and stderr together
+    seconds: float = field(default=0.0, compare=False)
+
+
+@dataclass(frozen=True)
 class Reply:
     """What a turn answered. Equal for the blocking and the awaited twin (ids and timing aside)."""
 
@@ -84,6 +95,11 @@ class Reply:
     usage: Usage = field(default_factory=Usage)
     seconds: float = field(default=0.0, compare=False)
     events: tuple[Event, ...] = ()
+    # set by a batch: the acceptance check of this unit's last try, how many tries it took and
+    # the unit's task name; a batch's `usage` is the unit's over all its tries
+    check: Check | None = None
+    tries: int = 1
+    task: str = ""
 
     @property
     def tool_calls(self) -> list[ToolFinished]:

@@ -201,10 +201,10 @@ class Session:
                  backend=self.backend.name, model=settings.model, place=self.place.describe(),
                  cwd=self.cwd, backend_session=ev.session_id, transport=settings.transport)
         elif isinstance(ev, ToolStarted):
-            note("tool.started", session=self.id, turn=turn, call=ev.call_id, tool=ev.tool,
+            note("tool.started", session=self.id, turn=turn, tool_call=ev.call_id, tool=ev.tool,
                  input=_short(ev.input))
         elif isinstance(ev, ToolFinished):
-            note("tool.finished", session=self.id, turn=turn, call=ev.call_id, tool=ev.tool,
+            note("tool.finished", session=self.id, turn=turn, tool_call=ev.call_id, tool=ev.tool,
                  exit_code=ev.exit_code, ok=ev.ok, output=ev.output[-500:])
         elif isinstance(ev, Notice):
             note("notice", session=self.id, turn=turn, what=ev.kind, message=ev.message)

@@ -7,7 +7,7 @@ import importlib
 import signal
 import sys
 
-COMMANDS = ("demo", "loopback", "run", "trace")
+COMMANDS = ("batch", "demo", "loopback", "opencode", "places", "run", "trace")
 
 
 def parser() -> argparse.ArgumentParser:

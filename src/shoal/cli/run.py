@@ -26,7 +26,6 @@ def parse_agent(spec: str) -> tuple[str, str, str]:
 
 def main(args: argparse.Namespace) -> int:
     import shoal
-    from shoal.flows import current  # noqa: F401 - imported for users debugging with `shoal run`
     from shoal.journal import find
 
     flow = shoal.load(args.flow)

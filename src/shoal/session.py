@@ -206,6 +206,8 @@ class Session:
         elif isinstance(ev, ToolFinished):
             note("tool.finished", session=self.id, turn=turn, tool_call=ev.call_id, tool=ev.tool,
                  exit_code=ev.exit_code, ok=ev.ok, output=ev.output[-500:])
+        elif isinstance(ev, Text):
+            note("text", session=self.id, turn=turn, text=ev.text[:4000])
         elif isinstance(ev, Notice):
             note("notice", session=self.id, turn=turn, what=ev.kind, message=ev.message)
 

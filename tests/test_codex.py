@@ -246,3 +246,28 @@ def test_bad_transport_and_model_are_refused_up_front() -> None:
         shoal.Agent("codex", transport="held")
     with pytest.raises(shoal.BadModel):
         shoal.Agent("codex", model="openai/")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_thread_codex_never_saved_is_replaced(transport: str, workdir: Path) -> None:
+    # a first turn killed between thread/start and its first turn leaves a thread with no rollout
+    with shoal.Agent("codex", transport=transport) as agent:
+        s = agent.session(where=workdir)
+        s.run("#! say hi")
+        assert s._conv is not None
+        s._conv.session_id = "01a22900-aef9-7d03-9b90-be97061c2705"  # a thread id codex never saved
+        s._conv.state["codex_server"] = 0  # as if opened on an earlier app-server
+        r = s.run("#! say again")
+        assert r.text == "again"
+        assert any(isinstance(e, shoal.Notice) and e.kind == "new-thread" for e in r.events)
+        assert s.session_id not in (None, "01a22900-aef9-7d03-9b90-be97061c2705")
+        assert s.run("#! say and on").text == "and on"
+    assert leftovers(agent.id) == []
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_retried_429_is_a_notice(transport: str, workdir: Path) -> None:
+    with shoal.Agent("codex", transport=transport) as agent:
+        r = agent.session(where=workdir).run("#! fail 429 1")  # one 429, then the model's "ok"
+        assert r.text == "ok"
+        assert any(isinstance(e, shoal.Notice) and e.kind == "retry" for e in r.events)

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
-from shoal.backends.codex_appserver import ServerTransport
+from shoal.backends.codex_appserver import NO_ROLLOUT, ServerTransport
 from shoal.errors import BackendCrashed, BadModel, ProtocolMismatch, ProviderError, TurnFailed
 from shoal.procs import Proc
 from shoal.reply import Event, Notice, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
@@ -169,9 +169,22 @@ class Codex:
 
     async def turn(self, conv: Conversation, prompt: str) -> AsyncIterator[Event]:
         await self._prepare()
-        stream = self.server.turn(conv, prompt) if self.transport == "server" else self._run(conv, prompt)
-        async for ev in stream:
-            yield ev
+        if self.transport == "server":
+            async for ev in self.server.turn(conv, prompt):
+                yield ev
+            return
+        try:
+            async for ev in self._run(conv, prompt):
+                yield ev
+        except BackendCrashed as exc:
+            if NO_ROLLOUT not in exc.stderr_tail or not conv.session_id:
+                raise
+            # The first turn died before codex saved the thread: there is no history to lose.
+            old, conv.session_id = conv.session_id, None
+            conv.state.pop("codex_total", None)
+            async for ev in self._run(conv, prompt):
+                yield Notice("new-thread", f"codex thread {old} was never saved; continuing in {ev.session_id}") \
+                    if isinstance(ev, Started) else ev
 
     def _argv(self, conv: Conversation) -> list[str]:
         argv = [self.cli, "exec"]
@@ -186,7 +199,7 @@ class Codex:
         return [*argv, "-"]  # the prompt comes on stdin: any length, even one starting with "-"
 
     async def _run(self, conv: Conversation, prompt: str) -> AsyncIterator[Event]:
-        proc = await Proc.spawn(self._argv(conv), cwd=conv.cwd, env=self.env, stdin=True)
+        proc = await Proc.spawn(self._argv(conv), cwd=conv.cwd, env={**self.env, **conv.env}, stdin=True)
         error: dict[str, Any] | None = None
         total: Usage | None = None
         started: set[Any] = set()  # items whose ToolStarted went out already

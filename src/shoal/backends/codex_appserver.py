@@ -28,10 +28,11 @@ from typing import Any
 
 from shoal.errors import BackendCrashed, ProtocolMismatch, TurnFailed
 from shoal.procs import Proc
-from shoal.reply import Event, Started
+from shoal.reply import Event, Notice, Started
 
 INIT_TIMEOUT = 20.0  # a cold app-server answers `initialize` in ~0.4 s; 20 s means it never will
 REQUEST_TIMEOUT = 30.0  # thread/start, thread/resume, turn/start all answer within milliseconds
+NO_ROLLOUT = "no rollout found"  # codex's answer to resuming a thread it never saved
 INTERRUPT_TIMEOUT = 5.0  # for turn/interrupt *and* the turn/completed that confirms it
 # Deltas repeat what item/completed carries in full; not parsing them keeps the reader cheap
 # when hundreds of sessions stream at once.
@@ -226,14 +227,28 @@ class ServerTransport:
     async def _open(self, server: AppServer, conv: Any) -> AsyncIterator[Event]:
         """Start the session's thread, or resume it if it was opened on an earlier server."""
         params = {"cwd": str(conv.cwd), **self.thread_params}
+        if conv.env:
+            # one server holds every thread, so a place's environment (e.g. the shell shim of a
+            # container) is given per thread: codex sets it for every command the thread runs
+            params["config"] = {f"shell_environment_policy.set.{k}": v for k, v in conv.env.items()}
         if conv.session_id is None:
             result = await self._call(server, "thread/start", params, conv)
             conv.session_id = str(result["thread"]["id"])
             conv.state["codex_server"] = server.generation
             yield Started(conv.session_id)
         elif conv.state.get("codex_server") != server.generation:
-            await self._call(server, "thread/resume", {"threadId": conv.session_id, "excludeTurns": True, **params},
-                             conv)
+            try:
+                await self._call(server, "thread/resume",
+                                 {"threadId": conv.session_id, "excludeTurns": True, **params}, conv)
+            except TurnFailed as exc:
+                if NO_ROLLOUT not in str(exc):
+                    raise
+                # Codex saves a thread with its first turn; one whose server died before that
+                # has no history to lose. A new thread keeps the session usable.
+                old = conv.session_id
+                result = await self._call(server, "thread/start", params, conv)
+                conv.session_id = str(result["thread"]["id"])
+                yield Notice("new-thread", f"codex thread {old} was never saved; continuing in {conv.session_id}")
             conv.state["codex_server"] = server.generation
 
     async def _call(self, server: AppServer, method: str, params: dict[str, Any], conv: Any) -> Any:

@@ -216,6 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
         if rid:
             self.send_header("x-request-id", rid)
             self.send_header("request-id", rid)
+        if status == 429:
+            self.send_header("retry-after", "0")  # codex retries a 429 only when told when it may
         self.end_headers()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.wfile.write(data)

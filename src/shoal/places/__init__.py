@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from shoal.places.base import Place
+from shoal.places.container import Container
 from shoal.places.copy import Copy
 from shoal.places.here import Here
+from shoal.places.ssh import SSH
+from shoal.places.worktree import Worktree
 
 
 def as_place(where: Place | str | Path | None) -> Place:
@@ -18,4 +21,4 @@ def as_place(where: Place | str | Path | None) -> Place:
     return where
 
 
-__all__ = ["Copy", "Here", "Place", "as_place"]
+__all__ = ["SSH", "Container", "Copy", "Here", "Place", "Worktree", "as_place"]

@@ -1,0 +1,172 @@
+"""The shell a CLI runs its commands through when its session lands somewhere else.
+
+A container or ssh place gives its session two things in the environment (`env()`):
+
+- `SHELL` = a program named `bash` written into the place's own directory. opencode runs its
+  bash tool as `$SHELL -c CMD`; Claude Code does too, but only for a shell named bash or zsh.
+- `BASH_ENV` = a hook file. Codex ignores `$SHELL` (it takes the login shell from the passwd
+  entry, /bin/bash here); bash reads `$BASH_ENV` before running `-c CMD`, and the hook hands
+  `$BASH_EXECUTION_STRING` to the same program. Any CLI that runs commands through bash lands.
+
+The program then runs CMD in the target: `<engine> exec` in the container, `ssh` over the
+place's held connection into the remote directory. It is this module's source copied into the
+place's directory with the place's settings appended, run by the same Python with `-I -S`, so
+it starts in milliseconds and imports nothing of shoal.
+
+Commands a CLI runs for its own housekeeping (capturing or checking a snapshot of the local
+shell's environment, which Claude Code and Codex do before the first command) stay here:
+they describe the CLI's shell, and their files are written and read on this side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# CLI housekeeping that must run next to the CLI (see the module docstring):
+#   Claude Code: `SNAPSHOT_FILE=... ` creating its shell snapshot;
+#   Codex: "# Snapshot file" creating one, ". .../shell_snapshots/..." checking it, and the
+#   `__CODEX_SNAPSHOT_...` wrapper that ends by exec'ing bash -c CMD (which lands by itself).
+HOUSEKEEPING = re.compile(r"SNAPSHOT_FILE=|__CODEX_SNAPSHOT_|# Snapshot file|/shell_snapshots/")
+# Claude Code ends each command with `&& pwd -P >| /tmp/claude-XXXX-cwd` and reads that file
+# here afterwards to follow `cd`. Run there, it would land in the target's /tmp; so the suffix
+# is taken off and the file written here, with the directory the command ran in.
+CWD_SUFFIX = re.compile(r"\s*&&\s*pwd -P >\| (?P<file>/\S+)\s*$")
+# Claude Code starts each command by sourcing its snapshot of the local shell (a file here):
+# `source FILE 2>/dev/null || true && ...`. In the target the file is not there, and a POSIX
+# sh (dash, busybox) exits at once when `source`/`.` cannot read its file, `|| true` or not.
+SOURCE_PREFIX = re.compile(r"^\s*(?:source|\.)\s+(?P<file>/\S+)\s+2>/dev/null\s*\|\|\s*true\s*&&\s*")
+# what a command in the target sees of the CLI's environment (the target has its own tools/PATH)
+FORWARD_ENV = ("TERM", "LANG", "LC_ALL", "TZ", "PAGER", "GIT_PAGER", "NO_COLOR", "FORCE_COLOR")
+PASS = "SHOAL_SHIM_PASS"  # set when a command is run here: the hook must not send it again
+
+
+def parse(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the -c command, its $0 and arguments) from a shell's argv; None when not `-c`."""
+    c = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            i += 1
+            break
+        if a in ("--rcfile", "--init-file"):
+            i += 2
+            continue
+        if a.startswith("--"):
+            i += 1
+            continue
+        if len(a) > 1 and a[0] in "-+":
+            c = c or (a[0] == "-" and "c" in a[1:])
+            i += 2 if a[1:] in ("o", "O") else 1
+            continue
+        break
+    if not c or i >= len(args):
+        return None, []
+    return args[i], args[i + 1:]
+
+
+def remote_dir(cwd: str, local_root: str, remote_root: str) -> str:
+    """Where `cwd` (here) is in the target; anything outside the place maps to its root."""
+    root = local_root.rstrip("/")
+    if cwd.startswith(root + "/"):
+        return remote_root.rstrip("/") + cwd[len(root):]
+    return remote_root
+
+
+def target_argv(config: dict[str, Any], command: str, extra: list[str], wd: str) -> list[str]:
+    shell = config["shell"]
+    if config["kind"] == "container":
+        env = [f"--env={k}={os.environ[k]}" for k in FORWARD_ENV if k in os.environ]
+        return [*config["prefix"], "--workdir", wd, *env, config["name"], shell, "-c", command, *extra]
+    # ssh: the remote login shell reads one string; cd there, then the same shell as here
+    remote = f"cd -- {shlex.quote(wd)} && exec {shlex.quote(shell)} -c {shlex.quote(command)}"
+    if extra:
+        remote += " " + " ".join(shlex.quote(a) for a in extra)
+    return [*config["prefix"], remote]
+
+
+def log(config: dict[str, Any], **fields: Any) -> None:
+    """One JSON line per call when the place was made with $SHOAL_SHIM_LOG set (for debugging)."""
+    if config.get("log"):
+        with open(config["log"], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), **fields}) + "\n")
+
+
+def run_here(config: dict[str, Any], args: list[str], command: str | None) -> None:
+    log(config, here=args)
+    env = dict(os.environ)
+    env[PASS] = command or ""
+    os.execve(config["bash"], [config["bash"], *args], env)
+
+
+def main(config: dict[str, Any]) -> int:
+    args = sys.argv[1:]
+    command, extra = parse(args)
+    if command is None or HOUSEKEEPING.search(command):
+        run_here(config, args, command)
+    assert command is not None
+    local_root, remote_root = config["local_root"], config["remote_root"]
+    cwd = os.environ.get("PWD") or os.getcwd()
+    if os.path.realpath(cwd) != os.path.realpath(os.getcwd()):
+        cwd = os.getcwd()
+    wd = remote_dir(cwd, local_root, remote_root)
+    if local_root != remote_root:
+        command = command.replace(local_root, remote_root)  # absolute paths the CLI gave
+    if (m := SOURCE_PREFIX.match(command)) is not None and not m["file"].startswith(remote_root.rstrip("/") + "/"):
+        command = command[m.end():]  # a file of this side's shell, not the target's
+    cwd_file = None
+    if (m := CWD_SUFFIX.search(command)) is not None:
+        cwd_file, command = m["file"], command[:m.start()]
+    argv = target_argv(config, command, extra, wd)
+    log(config, args=args, cwd=cwd, there=argv)
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **config.get("env", {})})
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    code = child.wait()
+    log(config, code=code)
+    if cwd_file is not None and code == 0:
+        Path(cwd_file).write_text(cwd + "\n")
+    return code
+
+
+HOOK = """\
+# shoal: bash reads this (BASH_ENV) before `-c CMD` and hands CMD to the shim, which runs it in
+# {target}. A command the shim runs here is marked with ${pass_} so it is not sent again.
+if [ -n "${{BASH_EXECUTION_STRING+x}}" ] && [ "${{{pass_}-}}" != "$BASH_EXECUTION_STRING" ]; then
+  exec {shim} -c "$BASH_EXECUTION_STRING" "$0" "$@"
+fi
+unset {pass_}
+"""
+
+
+def write(directory: Path, config: dict[str, Any], target: str) -> dict[str, str]:
+    """Write the shim and the hook into `directory`; return the environment that uses them."""
+    if os.environ.get("SHOAL_SHIM_LOG"):
+        config = {**config, "log": os.environ["SHOAL_SHIM_LOG"]}
+    bin_dir = directory / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shim = bin_dir / "bash"  # the name Claude Code insists on before it uses $SHELL
+    source = Path(__file__).read_text()
+    shim.write_text(f"#!{sys.executable} -IS\n# shoal shim for {target}\n{source}\n"
+                    f"sys.exit(main(json.loads({json.dumps(json.dumps(config))})))\n")
+    shim.chmod(0o755)
+    hook = directory / "bash_env.sh"
+    hook.write_text(HOOK.format(target=target, pass_=PASS, shim=shlex.quote(str(shim))))
+    return {"SHELL": str(shim), "BASH_ENV": str(hook)}
+
+
+def local_bash() -> str:
+    """The real bash here (what the shim runs CLI housekeeping with), else sh."""
+    for candidate in ("/bin/bash", "/usr/bin/bash", "/bin/sh"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return "/bin/sh"

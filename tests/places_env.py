@@ -1,0 +1,192 @@
+"""Fixtures for the places tests: a private registry, a tiny container image, a real sshd.
+
+Imported by the tests/test_places_*.py modules (`from places_env import ...`). Everything is
+built here from what `scripts/setup.sh` installs (podman, runc, busybox-static, openssh-server,
+sshfs), cached under ~/.cache/shoal/test-places so a run does not rebuild it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CACHE = Path.home() / ".cache" / "shoal" / "test-places"
+IMAGE = "localhost/shoal-test:busybox-1"
+MARKER = "only-in-the-shoal-test-image"
+# What this machine needs for podman to start a container (see the issue's machine facts):
+# runc, cgroupfs, and no default ulimits (raising RLIMIT_NOFILE is not permitted here).
+CONTAINERS_CONF = '[containers]\ndefault_ulimits = []\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
+
+
+def need(tool: str) -> str:
+    """The tool's path; a missing one fails under CI (setup.sh installs it) and skips elsewhere."""
+    path = shutil.which(tool) or (f"/usr/sbin/{tool}" if os.access(f"/usr/sbin/{tool}", os.X_OK) else None)
+    if path is None:
+        message = f"{tool} is not installed (bash scripts/setup.sh installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def shoal_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own registry and state directory, so tests never see each other's places."""
+    home = tmp_path / "shoal-home"
+    monkeypatch.setenv("SHOAL_HOME", str(home))
+    return home
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A git repository with one commit."""
+    r = tmp_path / "repo"
+    r.mkdir()
+    git(r, "init", "-q", "-b", "main")
+    git(r, "config", "user.email", "t@example.com")
+    git(r, "config", "user.name", "t")
+    (r / "README").write_text("hello\n")
+    git(r, "add", "README")
+    git(r, "commit", "-qm", "one")
+    return r
+
+
+def _rootfs_tar() -> Path:
+    """A root filesystem of one static busybox (~2 MB) and the marker file, built once."""
+    tar = CACHE / "busybox-rootfs-1.tar"
+    if tar.exists():
+        return tar
+    busybox = need("busybox")
+    if "not a dynamic executable" not in subprocess.run(["ldd", busybox], capture_output=True, text=True).stdout + \
+            subprocess.run(["ldd", busybox], capture_output=True, text=True).stderr:
+        pytest.fail(f"{busybox} is not static; the image needs busybox-static (apt-get install busybox-static)")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    root = CACHE / "rootfs"
+    shutil.rmtree(root, ignore_errors=True)
+    for d in ("bin", "etc", "tmp", "root"):
+        (root / d).mkdir(parents=True)
+    shutil.copy2(busybox, root / "bin" / "busybox")
+    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for applet in applets:
+        if not (root / "bin" / applet).exists():
+            (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc" / "shoal-marker").write_text(MARKER + "\n")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    (root / "tmp").chmod(0o1777)
+    partial = tar.with_suffix(".partial")
+    with tarfile.open(partial, "w") as t:
+        t.add(root, arcname=".")
+    partial.replace(tar)
+    shutil.rmtree(root, ignore_errors=True)
+    return tar
+
+
+@pytest.fixture(scope="session")
+def podman_image() -> Iterator[str]:
+    """The test image in podman's store; podman set up to start containers on this machine."""
+    podman = need("podman")
+    if subprocess.run([podman, "image", "exists", IMAGE]).returncode != 0:
+        subprocess.run([podman, "import", str(_rootfs_tar()), IMAGE], check=True, capture_output=True)
+    saved = os.environ.get("CONTAINERS_CONF")
+    probe = [podman, "run", "--rm", "--network", "none", IMAGE, "true"]
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        conf = CACHE / "containers.conf"
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_text(CONTAINERS_CONF)
+        os.environ["CONTAINERS_CONF"] = str(conf)
+        done = subprocess.run(probe, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"podman cannot start a container here: {done.stderr.strip()}")
+    yield IMAGE
+    if saved is None:
+        os.environ.pop("CONTAINERS_CONF", None)
+    else:
+        os.environ["CONTAINERS_CONF"] = saved
+
+
+def containers(label: str = "shoal.place") -> list[str]:
+    """Every container (running or not) podman has that shoal made."""
+    out = subprocess.run(["podman", "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
+                         capture_output=True, text=True).stdout
+    return out.split()
+
+
+@dataclass
+class Sshd:
+    port: int
+    user: str
+    key: Path
+    known_hosts: Path
+    env_marker: str  # sshd sets SHOAL_TEST_REMOTE to this in every session: only there
+
+    def target(self, path: Path) -> str:
+        return f"{self.user}@127.0.0.1:{path}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    """A real OpenSSH server on 127.0.0.1 with a generated host key and user key."""
+    binary = need("sshd")
+    need("sshfs")
+    d = tmp_path_factory.mktemp("sshd")
+    for name in ("host", "user"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "user.pub").read_text())
+    (d / "authorized_keys").chmod(0o600)
+    port = _free_port()
+    marker = f"sshd-{port}"
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nPermitRootLogin prohibit-password\n"
+        f"StrictModes no\nPidFile {d / 'sshd.pid'}\nSubsystem sftp internal-sftp\nSetEnv SHOAL_TEST_REMOTE={marker}\n"
+        "MaxSessions 100\nMaxStartups 100\n")
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
+    log = open(d / "sshd.log", "w")  # noqa: SIM115 - sshd writes to it for the whole session
+    proc = subprocess.Popen([binary, "-D", "-e", "-f", str(d / "sshd_config")], stderr=log)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text()}")
+        time.sleep(0.05)
+    host_pub = (d / "host.pub").read_text().split()
+    (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
+    try:
+        yield Sshd(port, getpass.getuser(), d / "user", d / "known_hosts", marker)
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def fuse_mounts() -> list[str]:
+    """Mount points of every sshfs mount on the machine."""
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[2] == "fuse.sshfs"]

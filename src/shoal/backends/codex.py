@@ -238,7 +238,8 @@ class Codex:
         if code != 0 or total is None:
             raise BackendCrashed("codex exec exited without finishing its turn", backend=self.name, exit_code=code,
                                  stderr_tail=proc.stderr_tail(), session_id=conv.session_id)
-        # `codex exec` reports the thread's running total: this turn's share is the growth
+        # `codex exec` reports the thread's running total: this turn's share is the growth (a
+        # failed turn reports none, so what it spent shows up in the next turn that completes)
         before = conv.state.get("codex_total") or Usage()
         conv.state["codex_total"] = total
         yield StepUsage(Usage(total.input_tokens - before.input_tokens, total.output_tokens - before.output_tokens,

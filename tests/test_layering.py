@@ -15,7 +15,7 @@ LAYERS = {
     "session": 3, "flows": 3,
     "fleet": 4,
     "agent": 5,
-    "loader": 6, "perfetto": 6, "demo": 6,
+    "loader": 6, "perfetto": 6, "demo": 6, "concurrency": 6,
     "cli": 7,
 }
 

@@ -1,0 +1,112 @@
+"""A container apiece, real podman: commands land in the container, the work stays in the project.
+
+The image is a busybox root filesystem built by the fixture (places_env.py) holding a marker
+file that only the image has. Every test checks that no container shoal made is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import shoal
+from conftest import leftovers, make_agent
+from places_env import MARKER, containers, need, podman_image, shoal_home  # noqa: F401 - fixtures
+from shoal.places import registry
+
+
+def test_commands_land_in_the_container(backend: str, podman_image: str, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    tag = f"{os.getpid()}-{time.time_ns()}"
+    outside = Path(f"/tmp/shoal-made-in-container-{tag}")
+    # the container is the boundary here: commands may touch its /tmp
+    with make_agent(backend, permissions={"external_directory": "allow"}) as agent:
+        place = shoal.Container(podman_image, path=project, network="none")
+        s = agent.session(where=place)
+        r = s.run(f"#! write notes/a.txt hello\n#! run cat /etc/shoal-marker > seen.txt && id -u >> seen.txt && "
+                  f"id -g >> seen.txt && touch {outside} && ls {outside} >> seen.txt && cat notes/a.txt >> seen.txt")
+        assert s.cwd == str(project)  # the project itself is mounted at its own path
+        assert containers(f"shoal.place={place.id}") == [place.name]
+        assert r.tool_calls and all(t.ok for t in r.tool_calls), [(t.input, t.output) for t in r.tool_calls]
+    seen = (project / "seen.txt").read_text().split()
+    assert seen == [MARKER, str(os.getuid()), str(os.getgid()), str(outside), "hello"]
+    assert not outside.exists()  # made in the container's /tmp, not here
+    assert (project / "seen.txt").stat().st_uid == os.getuid()  # the work is the caller's
+    assert containers(f"shoal.place={place.id}") == []  # taken down with the agent
+    assert leftovers(agent.id) == [] and registry.entries() == [] and agent.kept == []
+
+
+def test_no_container_outlives_a_killed_shoal(podman_image: str, tmp_path: Path) -> None:
+    """The container's main process waits on a pipe shoal holds: SIGKILL shoal and it goes."""
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, sys, shoal
+        async def main():
+            place = shoal.Container({podman_image!r}, path={str(tmp_path)!r}, network="none")
+            await place.open()
+            print(place.name, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    name = proc.stdout.readline().strip()
+    assert name in containers()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while name in containers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert name not in containers()
+
+
+def test_many_containers_at_once(podman_image: str, tmp_path: Path) -> None:
+    places = [shoal.Container(podman_image, path=tmp_path, network="none") for _ in range(4)]
+
+    async def main() -> float:
+        started = time.monotonic()
+        await asyncio.gather(*(p.open() for p in places))
+        up = time.monotonic() - started
+        assert sorted(containers()) == sorted(p.name for p in places)
+        await asyncio.gather(*(p.close() for p in places))
+        return up
+
+    up = asyncio.run(main())
+    assert containers() == [] and registry.entries() == []
+    assert up < 60
+
+
+def test_bad_input(podman_image: str, tmp_path: Path) -> None:
+    before = containers()
+    with shoal.Agent("opencode") as agent:
+        with pytest.raises(shoal.EngineNotFound, match="not installed"):
+            agent.session(where=shoal.Container(podman_image, engine="no-such-engine"))
+        with pytest.raises(shoal.PlaceError, match="not a directory"):
+            agent.session(where=shoal.Container(podman_image, path=tmp_path / "missing"))
+
+    missing = shoal.Container("localhost/shoal-no-such-image:1", path=tmp_path)
+    started = time.monotonic()
+    with pytest.raises(shoal.ImageNotFound, match="not in podman's local store"):
+        asyncio.run(missing.open())
+    assert time.monotonic() - started < 30
+    assert containers() == before and registry.entries() == [] and not registry.place_dir(missing.id).exists()
+
+
+def test_docker_without_an_engine_is_a_clear_error(tmp_path: Path) -> None:
+    need("docker")
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0:
+        pytest.skip("docker has an engine here; this test is about a client with none")
+    place = shoal.Container("busybox", path=tmp_path, engine="docker")
+    started = time.monotonic()
+    with pytest.raises(shoal.EngineNotFound, match="cannot reach its engine"):
+        asyncio.run(place.open())
+    assert time.monotonic() - started < 30 and registry.entries() == []

@@ -1,0 +1,94 @@
+"""An ssh target, real sshd on 127.0.0.1: the agent stays here; its commands and edits land there.
+
+`sshd` (places_env.py) sets SHOAL_TEST_REMOTE in every session it serves, so a command that
+can read it ran through that sshd and nowhere else. Every test checks that no mount, process
+or private directory of the place is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import shoal
+from conftest import leftovers, make_agent
+from places_env import Sshd, fuse_mounts, shoal_home, sshd  # noqa: F401 - fixtures
+from shoal.places import registry
+
+
+def place_processes(place: shoal.SSH) -> list[int]:
+    """ssh/sshfs processes still naming this place's connection (its id is in their arguments)."""
+    found = subprocess.run(["pgrep", "-f", place.id], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found]
+
+
+def remote_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "remote"
+    d.mkdir()
+    (d / "marker.txt").write_text("only-on-the-remote\n")
+    return d
+
+
+def test_commands_and_edits_land_on_the_remote(backend: str, sshd: Sshd, tmp_path: Path) -> None:
+    remote = remote_dir(tmp_path)
+    with make_agent(backend) as agent:
+        place = shoal.SSH(sshd.target(remote), port=sshd.port, key=sshd.key, known_hosts=sshd.known_hosts)
+        s = agent.session(where=place)
+        r = s.run("#! write notes/w.txt written-here-landed-there\n"
+                  "#! run cat marker.txt > seen.txt && echo $SHOAL_TEST_REMOTE >> seen.txt && pwd -P >> seen.txt "
+                  "&& cat notes/w.txt >> seen.txt")
+        assert r.tool_calls and all(t.ok for t in r.tool_calls), [(t.input, t.output) for t in r.tool_calls]
+        local = Path(str(s.cwd))
+        assert local != remote and str(local) in fuse_mounts()  # the CLI works here, on a mount of there
+    # the write (the CLI's own tool) and the command's output are in the remote directory
+    assert (remote / "notes" / "w.txt").read_text().strip() == "written-here-landed-there"
+    seen = (remote / "seen.txt").read_text().split()
+    assert seen == ["only-on-the-remote", sshd.env_marker, str(remote.resolve()), "written-here-landed-there"]
+    # nothing of the work is left here: no mount, no private directory, no process
+    assert str(local) not in fuse_mounts() and not registry.place_dir(place.id).exists()
+    assert leftovers(agent.id) == [] and place_processes(place) == []
+    assert registry.entries() == [] and agent.kept == []
+
+
+def test_bad_input(sshd: Sshd, tmp_path: Path) -> None:
+    remote = remote_dir(tmp_path)
+    mounts = fuse_mounts()
+
+    def refused(place: shoal.SSH, error: type[shoal.PlaceError], match: str) -> None:
+        started = time.monotonic()
+        with pytest.raises(error, match=match):
+            asyncio.run(place.open())
+        assert time.monotonic() - started < place.connect_timeout + 15
+        # nothing half-made: no mount, no directory, no process, nothing registered
+        assert fuse_mounts() == mounts and not registry.place_dir(place.id).exists()
+        assert place_processes(place) == [] and registry.entries() == []
+
+    with socket_closed() as port:
+        refused(shoal.SSH(sshd.target(remote), port=port, key=sshd.key, known_hosts=sshd.known_hosts),
+                shoal.HostUnreachable, "cannot reach")
+    other = tmp_path / "other-key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    refused(shoal.SSH(sshd.target(remote), port=sshd.port, key=other, known_hosts=sshd.known_hosts),
+            shoal.KeyRefused, "refused the key")
+    refused(shoal.SSH(sshd.target(tmp_path / "no-such-dir"), port=sshd.port, key=sshd.key,
+                      known_hosts=sshd.known_hosts), shoal.PlaceError, "cannot be used")
+    with shoal.Agent("opencode") as agent, pytest.raises(shoal.KeyRefused, match="does not exist"):
+        agent.session(where=shoal.SSH(sshd.target(remote), key=tmp_path / "no-such-key"))
+
+
+class socket_closed:
+    """A port on 127.0.0.1 with nothing listening (bound, then released)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -89,8 +89,12 @@ def test_scripted_errors_and_request_log(model: LoopbackModel) -> None:
     assert status == 429 and json.loads(text)["error"]["type"] == "rate_limit_error"
     status, _ = post(model, "/v1/chat/completions", {"messages": [{"role": "user", "content": "#! fail 500 1"}]})
     assert status == 500
-    status, _ = post(model, "/v1/chat/completions", {"messages": [{"role": "user", "content": "#! fail 500 1"}]})
-    assert status == 200  # the one scripted failure was spent
-    assert [r.move for r in model.requests[-3:]] == ["fail:429", "fail:500", "fail:500"]
+    status, text = post(model, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "#! fail 500 1\n#! say after"}]})
+    assert status == 500
+    status, text = post(model, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "#! fail 500 1\n#! say after"}]})
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "after"  # spent: goes on
+    assert [r.move for r in model.requests[-4:]] == ["fail:429", "fail:500", "fail:500", "fail:500"]
     with urllib.request.urlopen(model.url + "/v1/models", timeout=5) as resp:
         assert json.load(resp)["data"][0]["id"] == "loopback"

@@ -114,8 +114,10 @@ def unescape(text: str) -> str:
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
-def plan(conv: Conversation) -> Plan:
-    """The next move for this request: sleep first, then one tool call, a failure or the answer."""
+def plan(conv: Conversation, *, skip_fails: bool = False) -> Plan:
+    """The next move for this request: sleep first, then one tool call, a failure or the answer.
+
+    `skip_fails` plans as if this step's `#! fail` were not there (its failures are spent)."""
     directives = parse(conv.prompt)
     step = conv.results_after_last_user
     seen_tools = 0
@@ -136,7 +138,7 @@ def plan(conv: Conversation) -> Plan:
             continue
         if d.verb == "sleep":
             sleep += float(d.arg or 0)
-        elif d.verb == "fail":
+        elif d.verb == "fail" and not skip_fails:
             parts = d.arg.split()
             status = parts[0] if parts else "500"
             times = int(parts[1]) if len(parts) > 1 else None

@@ -20,7 +20,7 @@ from typing import Any
 from shoal.loopback.chat import Chat
 from shoal.loopback.messages import Messages
 from shoal.loopback.responses import Responses
-from shoal.loopback.script import FailMove, FinalMove, ToolMove, plan
+from shoal.loopback.script import FailMove, ToolMove, plan
 from shoal.loopback.wire import MODEL, WireFormat, new_id
 
 FORMATS: dict[str, WireFormat] = {"chat/completions": Chat(), "responses": Responses(), "messages": Messages()}
@@ -164,7 +164,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.model.should_fail(key, move.times):
                 self._fail(fmt, move.status, rid)
                 return
-            move = FinalMove("ok")  # the failure was spent: the retry goes through
+            move = plan(conv, skip_fails=True).move  # the failure was spent: the script goes on
         if body.get("stream"):
             self._stream(fmt, body, conv, move, rid)
         else:

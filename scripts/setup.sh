@@ -11,6 +11,31 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e '.[dev]'
 
+# System tools the places use, and their tests drive for real: git (worktrees); podman + runc
+# (containers, from an image the tests build out of busybox-static); openssh-server/-client,
+# sshfs and fuse3 (ssh targets, against a throwaway sshd). Installed only when missing, with
+# apt-get as root; anywhere else setup says what to install and carries on.
+missing=()
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; }
+have git || missing+=(git)
+have podman || missing+=(podman)
+have runc || missing+=(runc)
+have sshd || missing+=(openssh-server)
+have ssh || missing+=(openssh-client)
+have sshfs || missing+=(sshfs)
+have fusermount3 || missing+=(fuse3)
+static=$(have busybox && ldd "$(command -v busybox)" 2>&1 || true)  # ldd exits 1 on a static binary
+case "$static" in *"not a dynamic"*) ;; *) missing+=(busybox-static) ;; esac
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${missing[*]} (apt-get; a minute or two the first time)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "setup: the places tests need ${missing[*]}; install them (e.g. apt-get install ${missing[*]})" >&2
+  fi
+fi
+
 if ! command -v npm >/dev/null 2>&1; then
   echo "setup: npm is needed for the coding-agent CLIs (apt-get install nodejs npm)" >&2
   exit 1

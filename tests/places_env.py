@@ -72,8 +72,8 @@ def _rootfs_tar() -> Path:
     if tar.exists():
         return tar
     busybox = need("busybox")
-    if "not a dynamic executable" not in subprocess.run(["ldd", busybox], capture_output=True, text=True).stdout + \
-            subprocess.run(["ldd", busybox], capture_output=True, text=True).stderr:
+    ldd = subprocess.run(["ldd", busybox], capture_output=True, text=True)
+    if "not a dynamic executable" not in ldd.stdout + ldd.stderr:
         pytest.fail(f"{busybox} is not static; the image needs busybox-static (apt-get install busybox-static)")
     CACHE.mkdir(parents=True, exist_ok=True)
     root = CACHE / "rootfs"

@@ -79,6 +79,12 @@ def changed_files(source: Path, copy: Path) -> list[str]:
     return sorted(changed)
 
 
+def summary(changed: list[str]) -> str:
+    files = [c for c in changed if c != ".git"]
+    git = ", commits or refs its git history does not have" if ".git" in changed else ""
+    return f"{len(files)} changed file(s){git}"
+
+
 class Copy:
     kind = "copy"
 
@@ -133,7 +139,7 @@ class Copy:
             return None
         changed = await asyncio.to_thread(self.changes) if self.keep == "changed" else []
         if self.keep == "always" or changed:
-            what = f"{len(changed)} changed file(s) vs {self.source}"
+            what = f"{summary(changed)} vs {self.source}"
             registry.update(self.id, status="kept", holds=what)
             return f"kept copy {self.path} ({what})"
         await asyncio.to_thread(shutil.rmtree, self.path, True)
@@ -151,7 +157,7 @@ async def clean(entry: registry.Entry) -> tuple[bool, str]:
         return False, f"its source {source} is gone, so what it holds cannot be told apart; left as it is"
     changed = await asyncio.to_thread(changed_files, source, path)
     if changed:
-        return False, f"holds work: {len(changed)} changed file(s) vs {source} (e.g. {changed[0]})"
+        return False, f"holds work: {summary(changed)} vs {source} (e.g. {changed[0]})"
     await asyncio.to_thread(shutil.rmtree, path, True)
     return True, "removed (nothing new in it)"
 
@@ -161,4 +167,4 @@ async def holds(entry: registry.Entry) -> str:
     if not source.is_dir():
         return f"copy of {source} (source gone)"
     changed = await asyncio.to_thread(changed_files, source, path)
-    return f"copy of {source}: {len(changed)} changed file(s)" if changed else f"copy of {source}: nothing new"
+    return f"copy of {source}: {summary(changed)}" if changed else f"copy of {source}: nothing new"

@@ -99,6 +99,9 @@ class Agent:
         scope = current_scope()
         if scope is not None:
             scope.adopt(s)  # opened inside a flow: the flow's branch closes it when it ends
+            # whose conversation it is, on the record before its first turn (`shoal watch` groups by agent)
+            scope.record("session.made", session=s.id, name=s.name, agent=self.id, agent_name=self.name,
+                         backend=self.settings.backend, model=self.model, place=place.describe())
         return s
 
     # --- batches -------------------------------------------------------------------------------

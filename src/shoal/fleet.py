@@ -31,6 +31,7 @@ from shoal.flows import Flow
 from shoal.places.base import Place
 from shoal.procs import Proc
 from shoal.reply import Check, Reply, Usage
+from shoal.scope import current_scope
 
 RETRY_PROMPT = (
     "The acceptance check `{command}` failed with exit code {exit_code}. Its output ends:\n"
@@ -118,7 +119,19 @@ async def _batch(agent: _Agent, units: list[Unit], opts: Options) -> list[Reply 
     spent = [0.0]
     unit_flow = Flow(_unit, name="unit")
 
+    scope = current_scope()  # the batch's own branch
+    said: dict[int, str] = {}
+
     def update() -> None:
+        # each unit's status goes on the run's record as it changes, so a view reading the
+        # journal (`shoal watch`, perhaps in another terminal) sees queued and stuck units too
+        if scope is not None:
+            for u in units:
+                if said.get(u.index) != u.status:
+                    said[u.index] = u.status
+                    scope.record("unit.status", index=u.index, task=u.task, status=u.status, tries=u.tries,
+                                 session=getattr(u.session, "id", None), agent=getattr(agent, "id", None),
+                                 error=u.error[:500])
         if opts.on_update is not None:
             opts.on_update(units)
 

@@ -19,7 +19,7 @@ import pytest
 
 import shoal
 from conftest import leftovers, make_agent
-from places_env import MARKER, containers, need, podman_image, shoal_home  # noqa: F401 - fixtures
+from places_env import MARKER, containers, git, need, podman_image, repo, shoal_home  # noqa: F401 - fixtures
 from shoal.places import registry
 
 
@@ -110,3 +110,26 @@ def test_docker_without_an_engine_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(shoal.EngineNotFound, match="cannot reach its engine"):
         asyncio.run(place.open())
     assert time.monotonic() - started < 30 and registry.entries() == []
+
+
+def test_a_worktree_apiece_inside_a_container_apiece(podman_image: str, repo: Path) -> None:
+    """Places compose: the container mounts the worktree; both the shim (as $SHELL) and plain
+    bash (through $BASH_ENV, how codex's commands land) run there."""
+    place = shoal.Container(podman_image, path=shoal.Worktree(repo, task="boxed"), network="none")
+
+    async def main() -> tuple[Path, str | None]:
+        path = await place.open()
+        env = {**os.environ, **place.env()}
+        for shell, out in ((place.env()["SHELL"], "a.txt"), ("bash", "b.txt")):
+            subprocess.run([shell, "-c", f"cat /etc/shoal-marker > {out} && test ! -e {repo}/README"],
+                           cwd=path, env=env, check=True)
+        # git can work in there (this image has none): the repository's .git is mounted too
+        subprocess.run([place.env()["SHELL"], "-c", f"test -f {repo}/.git/worktrees/boxed/HEAD"],
+                       cwd=path, env=env, check=True)
+        return path, await place.close()
+
+    path, note = asyncio.run(main())
+    assert path == repo / ".shoal" / "worktrees" / "boxed"
+    assert (path / "a.txt").read_text().strip() == MARKER and (path / "b.txt").read_text().strip() == MARKER
+    assert note and "kept worktree" in note and "2 uncommitted change(s)" in note  # never lose work
+    assert containers() == []

@@ -52,6 +52,20 @@ async def _engine(argv: list[str], timeout: float = PROBE_TIMEOUT) -> tuple[int,
     return proc.returncode or 0, out.decode(errors="replace").strip()
 
 
+def linked_git_dir(project: Path) -> Path | None:
+    """The repository's .git for a linked worktree (its `.git` is a file naming a dir inside it)."""
+    dot_git = project / ".git"
+    if not dot_git.is_file():
+        return None
+    text = dot_git.read_text().strip()
+    if not text.startswith("gitdir:"):
+        return None
+    gitdir = (project / text.removeprefix("gitdir:").strip()).resolve()
+    common = gitdir / "commondir"
+    root = (gitdir / common.read_text().strip()).resolve() if common.is_file() else gitdir
+    return None if project.resolve().is_relative_to(root) else root
+
+
 def _rm(engine: str, name: str) -> list[str]:
     # podman waits 10 s for a stop by default; docker's `rm --force` kills at once and has no --time
     return [engine, "rm", "--force", *(["--time", "0"] if "podman" in Path(engine).name else []), name]
@@ -134,6 +148,9 @@ class Container:
         argv = [self.engine_path, "run", "-i", "--rm", "--name", self.name, "--label", f"shoal.place={self.id}",
                 "--label", f"shoal.pid={os.getpid()}", "--user", f"{uid}:{gid}",
                 "--volume", f"{self.project}:{self.project}", "--workdir", str(self.project)]
+        git_dir = linked_git_dir(self.project)
+        if git_dir is not None:  # a worktree's history lives in its repository's .git: git works inside too
+            argv += ["--volume", f"{git_dir}:{git_dir}"]
         if self.network:
             argv += ["--network", self.network]
         # the main process only waits for shoal's end: EOF on stdin (see the module docstring)

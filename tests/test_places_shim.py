@@ -51,7 +51,7 @@ def test_a_fake_target_gets_the_command_and_claude_s_cwd_file_is_written_here(tm
     subprocess.run([env["SHELL"], "-c", command], cwd=local / "sub", check=True,
                    env={**os.environ, "PWD": str(local / "sub")})
     sent = log.read_text().splitlines()
-    assert sent == ["cd -- /srv/project/sub && exec /bin/bash -c 'eval '\"'\"'cat /srv/project/sub/f'\"'\"' "
+    assert sent == ["cd -- /srv/project/sub && exec /bin/bash --norc -c 'eval '\"'\"'cat /srv/project/sub/f'\"'\"' "
                     "< /dev/null'"]
     assert cwd_file.read_text().strip() == str(local / "sub")  # here, where the CLI reads it
 
@@ -61,5 +61,5 @@ def test_a_fake_target_gets_the_command_and_claude_s_cwd_file_is_written_here(tm
     assert out.split("\n")[0] == "# Snapshot file"
     log.unlink()
     subprocess.run(["bash", "-c", "echo sent"], cwd=local, env={**os.environ, **env}, check=True)
-    assert "exec /bin/bash -c 'echo sent'" in log.read_text()  # plain bash lands through $BASH_ENV
+    assert "exec /bin/bash --norc -c 'echo sent'" in log.read_text()  # plain bash lands through $BASH_ENV
     assert json.loads(json.dumps(env)) == env

@@ -86,8 +86,11 @@ def target_argv(config: dict[str, Any], command: str, extra: list[str], wd: str)
     if config["kind"] == "container":
         env = [f"--env={k}={os.environ[k]}" for k in FORWARD_ENV if k in os.environ]
         return [*config["prefix"], "--workdir", wd, *env, config["name"], shell, "-c", command, *extra]
-    # ssh: the remote login shell reads one string; cd there, then the same shell as here
-    remote = f"cd -- {shlex.quote(wd)} && exec {shlex.quote(shell)} -c {shlex.quote(command)}"
+    # ssh: the remote login shell reads one string; cd there, then the same shell as here.
+    # The login shell has already read the user's startup files (their PATH and such, which
+    # the command keeps); --norc stops bash reading ~/.bashrc again because it runs under sshd.
+    norc = " --norc" if os.path.basename(shell) == "bash" else ""
+    remote = f"cd -- {shlex.quote(wd)} && exec {shlex.quote(shell)}{norc} -c {shlex.quote(command)}"
     if extra:
         remote += " " + " ".join(shlex.quote(a) for a in extra)
     return [*config["prefix"], remote]

@@ -20,6 +20,7 @@ import pytest
 import shoal
 from conftest import leftovers, make_agent
 from places_env import MARKER, containers, git, need, podman_image, repo, shoal_home  # noqa: F401 - fixtures
+from shoal.cli.main import main as shoal_cli
 from shoal.places import registry
 
 
@@ -67,6 +68,10 @@ def test_no_container_outlives_a_killed_shoal(podman_image: str, tmp_path: Path)
     while name in containers() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert name not in containers()
+    # what the killed process had registered is cleaned up by `shoal places clean`
+    assert len(registry.entries()) == 1 and not registry.in_use(registry.entries()[0])
+    assert shoal_cli(["places", "clean"]) == 0
+    assert registry.entries() == []
 
 
 def test_many_containers_at_once(podman_image: str, tmp_path: Path) -> None:

@@ -8,7 +8,11 @@ or private directory of the place is left behind.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import pytest
 import shoal
 from conftest import leftovers, make_agent
 from places_env import Sshd, fuse_mounts, shoal_home, sshd  # noqa: F401 - fixtures
+from shoal.cli.main import main as shoal_cli
 from shoal.places import registry
 
 
@@ -92,3 +97,36 @@ class socket_closed:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def test_nothing_outlives_a_killed_shoal(sshd: Sshd, tmp_path: Path) -> None:
+    """SIGKILL the process holding an ssh place: its ssh, its sshfs and its mount all go."""
+    remote = remote_dir(tmp_path)
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, shoal
+        async def main():
+            place = shoal.SSH({sshd.target(remote)!r}, port={sshd.port}, key={str(sshd.key)!r},
+                              known_hosts={str(sshd.known_hosts)!r})
+            await place.open()
+            print(place.id, place.mount, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ})
+    assert proc.stdout is not None
+    place_id, mount = proc.stdout.readline().split()
+    assert mount in fuse_mounts() and subprocess.run(["pgrep", "-f", place_id], capture_output=True).stdout
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while (mount in fuse_mounts() or subprocess.run(["pgrep", "-f", place_id], capture_output=True).stdout) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert mount not in fuse_mounts()
+    assert subprocess.run(["pgrep", "-f", place_id], capture_output=True, text=True).stdout == ""
+    # what the killed process had registered is cleaned up by `shoal places clean`
+    assert [e["id"] for e in registry.entries()] == [place_id] and not registry.in_use(registry.entries()[0])
+    assert shoal_cli(["places", "clean"]) == 0
+    assert registry.entries() == [] and not registry.place_dir(place_id).exists()

@@ -14,8 +14,10 @@ Measured on this machine (sshd on 127.0.0.1): connecting ~0.1 s, mounting ~0.1 s
 costs one multiplexed ssh session (a few ms) plus the remote login shell's own start-up.
 
 Given back, it unmounts, closes the connection and removes its private directory — which is
-only ever deleted once it is no longer a mount point. Anything found there after unmounting
-was written here while the mount was gone: it is kept, and `close()` says where.
+only ever deleted once it is no longer a mount point. If shoal is killed instead, ssh and
+sshfs get SIGTERM from the kernel (`tied`), so neither they nor the mount outlive it.
+Anything found there after unmounting was written here while the mount was gone: it is kept,
+and `close()` says where.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ HOST_KEY = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION 
 MOUNT_TIMEOUT = 20.0
 # no kernel or sshfs caching: a file a remote command just made must be visible here at once
 SSHFS_OPTIONS = "dir_cache=no,entry_timeout=0,attr_timeout=0,negative_timeout=0"
+
+
+def tied(argv: list[str]) -> list[str]:
+    """`argv`, made to get SIGTERM when shoal dies, however it dies (prctl PR_SET_PDEATHSIG via
+    util-linux's setpriv): ssh and sshfs would otherwise outlive a killed shoal, and a mount with
+    them. On SIGTERM sshfs unmounts; ssh closes the connection."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
 
 
 class SSH:
@@ -71,6 +81,7 @@ class SSH:
         self._master: Proc | None = None
         self._sshfs: Proc | None = None
         self._env: dict[str, str] = {}
+        self._last_err = ""
         self.opened = False
 
     def ssh_options(self) -> list[str]:
@@ -117,10 +128,12 @@ class SSH:
         self.dir.mkdir(parents=True, exist_ok=True)
         argv = ["ssh", *self.ssh_options(), "-M", "-N", "-o", "ControlPersist=no", "-o", f"ControlPath={self.ctl}",
                 self.dest]
-        self._master = await Proc.spawn(argv, cwd=self.dir, env=dict(os.environ))
+        self._master = await Proc.spawn(tied(argv), cwd=self.dir, env=dict(os.environ))
         deadline = asyncio.get_running_loop().time() + self.connect_timeout + 10
         while asyncio.get_running_loop().time() < deadline:
             if self._master.returncode is not None or self._master_exited():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._master.wait(), 5)  # and its stderr, which says why
                 break
             if self.ctl.exists() and await self._run(["-O", "check"], timeout=5) is not None:
                 return
@@ -172,7 +185,7 @@ class SSH:
         lines = (out or "").split("\n")
         if out is None or len(lines) < 2 or not lines[0].startswith("/"):
             raise PlaceError(f"remote directory {self.remote_path!r} on {self.dest} cannot be used: "
-                             f"{getattr(self, '_last_err', '') or 'it does not exist'}")
+                             f"{self._last_err or 'it does not exist'}")
         return lines[0].strip(), (lines[1].strip() or "sh")
 
     async def _mount(self) -> None:
@@ -181,7 +194,7 @@ class SSH:
         opts += [f"-o{self.ssh_options()[i + 1]}" for i in range(0, len(self.ssh_options()) - 1, 2)
                  if self.ssh_options()[i] == "-o"]
         argv = ["sshfs", "-f", f"{self.dest}:{self.remote_dir}", str(self.mount), *opts]
-        self._sshfs = await Proc.spawn(argv, cwd=self.dir, env=dict(os.environ))
+        self._sshfs = await Proc.spawn(tied(argv), cwd=self.dir, env=dict(os.environ))
         deadline = asyncio.get_running_loop().time() + MOUNT_TIMEOUT
         while asyncio.get_running_loop().time() < deadline:
             if os.path.ismount(self.mount):
@@ -220,7 +233,7 @@ class SSH:
             self._master = None
         with contextlib.suppress(OSError):
             self.ctl.unlink()
-        if os.path.ismount(self.mount):
+        if os.path.ismount(self.mount) or mounted_under(self.dir):
             return f"kept {self.dir}: {self.mount} could not be unmounted (run `fusermount3 -u {self.mount}`)"
         if self.mount.exists() and any(self.mount.iterdir()):
             return f"kept {self.mount}: files were written there while the remote was not mounted"
@@ -249,7 +262,7 @@ async def clean(entry: registry.Entry) -> tuple[bool, str]:
         proc = await asyncio.create_subprocess_exec("fusermount3", "-u", "-z", str(mount),
                                                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         await proc.wait()
-    if os.path.ismount(mount):
+    if os.path.ismount(mount) or mounted_under(d):
         return False, f"still mounted; unmount it with `fusermount3 -u {mount}`"
     if mount.is_dir() and any(mount.iterdir()):
         return False, "holds files written while the remote was not mounted; copy them to the remote first"
@@ -257,6 +270,18 @@ async def clean(entry: registry.Entry) -> tuple[bool, str]:
     with contextlib.suppress(OSError):
         Path(str(entry.get("ctl", ""))).unlink()
     return True, "unmounted and removed (the work is on the remote)"
+
+
+def mounted_under(directory: Path) -> bool:
+    """Is anything mounted at or below `directory`? (Checked before deleting it: a live mount
+    there would make a recursive delete reach into the remote.)"""
+    prefix = str(directory.absolute())
+    try:
+        with open("/proc/self/mounts") as f:
+            points = [line.split()[1].replace("\\040", " ") for line in f]
+    except OSError:
+        return True  # cannot tell: do not delete
+    return any(p == prefix or p.startswith(prefix + "/") for p in points)
 
 
 def _stale_mount(path: Path) -> bool:

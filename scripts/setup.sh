@@ -24,6 +24,7 @@ have sshd || missing+=(openssh-server)
 have ssh || missing+=(openssh-client)
 have sshfs || missing+=(sshfs)
 have fusermount3 || missing+=(fuse3)
+have tmux || missing+=(tmux)  # not a place: `shoal watch`'s end-to-end test drives the view in it
 static=$(have busybox && ldd "$(command -v busybox)" 2>&1 || true)  # ldd exits 1 on a static binary
 case "$static" in *"not a dynamic"*) ;; *) missing+=(busybox-static) ;; esac
 if [ ${#missing[@]} -gt 0 ]; then

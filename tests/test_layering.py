@@ -16,7 +16,7 @@ LAYERS = {
     "fleet": 4,
     "agent": 5,
     "loader": 6, "perfetto": 6, "demo": 6, "concurrency": 6,
-    "cli": 7,
+    "cli": 7, "watch": 7,
 }
 
 

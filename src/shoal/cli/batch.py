@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from shoal.cli.watch import add_flag, alongside
 
 STYLE = {"queued": "dim", "working": "yellow", "checking": "cyan", "passed": "green", "failed": "red",
          "stuck": "magenta", "skipped": "dim"}
@@ -30,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--canary", action="store_true", help="run the first unit alone; if it fails, stop")
     p.add_argument("--retries", type=int, default=0, help="tries again after a failed check, with its output")
     p.add_argument("--cost-cap", type=float, metavar="DOLLARS", help="start no new unit once this is spent")
+    add_flag(p)
     p.set_defaults(func=main)
 
 
@@ -119,19 +123,26 @@ def main(args: argparse.Namespace) -> int:
     backend, _, model = args.agent.partition("/")
     console = Console() if sys.stdout.isatty() else Console(width=200)
     with shoal.Agent(backend, model=model or "loopback") as agent:
-        with Live(console=console, refresh_per_second=4, transient=True) as live:
+        # with --watch the terminal is the view's: no live table, the work on a thread beside it
+        with contextlib.nullcontext() if args.watch else Live(console=console, refresh_per_second=4,
+                                                              transient=True) as live:
 
             def on_update(units: list[Any]) -> None:
-                counts = {s: sum(u.status == s for u in units) for s in STYLE}
-                cost = sum(u.usage.cost for u in units)
-                summary = "  ".join(f"{k} {v}" for k, v in counts.items() if v) + f"  cost ${cost:.4f}"
-                live.update(table(units, summary))
+                if live is not None:
+                    counts = {s: sum(u.status == s for u in units) for s in STYLE}
+                    cost = sum(u.usage.cost for u in units)
+                    summary = "  ".join(f"{k} {v}" for k, v in counts.items() if v) + f"  cost ${cost:.4f}"
+                    live.update(table(units, summary))
                 seen.extend(u for u in units if u not in seen)
 
             seen: list[Any] = []
-            try:
+
+            def work() -> None:
                 agent.batch(prompts, where, limit=args.limit, suppress=True, canary=args.canary,
                             check=args.check, retries=args.retries, cost_cap=args.cost_cap, on_update=on_update)
+
+            try:
+                alongside(work) if args.watch else work()
             except shoal.CanaryFailed as exc:
                 console.print(f"[red]canary failed[/]: {exc}")
                 return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from shoal.cli.watch import add_flag, alongside
 from shoal.demo.run import Conversation, Outcome, demo
+from shoal.flows import Flow
 
 STYLE = {"queued": "dim", "working": "yellow", "done": "green", "failed": "red"}
 
@@ -20,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("demo", help="one agent, many conversations at once, against the loopback model")
     p.add_argument("-n", "--conversations", type=int, default=12, help="how many conversations (default 12)")
     p.add_argument("--backend", default="opencode", help="which coding-agent CLI (default opencode)")
+    add_flag(p)
     p.set_defaults(func=main)
 
 
@@ -46,15 +50,19 @@ def main(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)  # a log keeps whole rows
 
     async def run() -> Outcome:
-        with Live(console=console, refresh_per_second=4, transient=True) as live:
+        # with --watch the terminal is the view's: no live table
+        with contextlib.nullcontext() if args.watch else Live(console=console, refresh_per_second=4,
+                                                              transient=True) as live:
 
             def on_change(convs: list[Conversation]) -> None:
                 working = sum(c.status == "working" for c in convs)
-                live.update(live_table(convs, f"one agent: {working} of {len(convs)} conversations working"))
+                if live is not None:
+                    live.update(live_table(convs, f"one agent: {working} of {len(convs)} conversations working"))
 
-            return await demo(args.conversations, args.backend, on_change)
+            # a flow, so the demo is a run in the journal that `shoal watch` can follow
+            return await Flow(demo, name="demo")(args.conversations, args.backend, on_change)  # type: ignore[no-any-return]
 
-    out = asyncio.run(run())
+    out = alongside(lambda: asyncio.run(run())) if args.watch else asyncio.run(run())
     console.print(final_table(out))
     ok = sum(c.ok for c in out.conversations)
     tokens = sum(c.tokens for c in out.conversations)

@@ -6,6 +6,8 @@ import argparse
 import contextlib
 import sys
 
+from shoal.cli.watch import add_flag, alongside
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("run", help="run a flow: FLOW is file.py[:name], a package dir, or module:name")
@@ -13,6 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("task", nargs="?", default="", help="the task, passed as the flow's first argument")
     p.add_argument("-a", "--agent", action="append", default=[], metavar="ROLE=BACKEND/MODEL",
                    help="an agent passed to the flow as keyword ROLE (e.g. coder=opencode/loopback)")
+    add_flag(p)
     p.set_defaults(func=main)
 
 
@@ -34,7 +37,10 @@ def main(args: argparse.Namespace) -> int:
         for spec in args.agent:
             role, backend, model = parse_agent(spec)
             agents[role] = shoal.Agent(backend, model=model, name=role)
-        result = shoal.run(flow, args.task, **agents)
+        if args.watch:
+            result = alongside(lambda: shoal.run(flow, args.task, **agents))
+        else:
+            result = shoal.run(flow, args.task, **agents)
     finally:
         for agent in agents.values():
             agent.close()

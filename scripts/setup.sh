@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[dev]'
+.venv/bin/python -m pip install --quiet -e '.[dev,ray]'  # ray: the hosted-session tests
 
 # System tools the places use, and their tests drive for real: git (worktrees); podman + runc
 # (containers, from an image the tests build out of busybox-static); openssh-server/-client,

@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 LAYERS = {
     "errors": 0, "reply": 0, "prices": 0, "loopback": 0,
     "procs": 1, "runtime": 1, "scope": 1, "journal": 1,
-    "backends": 2, "places": 2,
+    "backends": 2, "places": 2, "hosts": 2,
     "session": 3, "flows": 3,
     "fleet": 4,
     "agent": 5,

@@ -12,6 +12,8 @@ from shoal.errors import (
     EngineNotFound,
     FlowDepthExceeded,
     FlowError,
+    HostError,
+    HostLost,
     HostUnreachable,
     ImageNotFound,
     KeyRefused,
@@ -28,6 +30,7 @@ from shoal.errors import (
     WrongLoop,
 )
 from shoal.flows import Branch, Budget, Flow, current, flow
+from shoal.hosts import Ray
 from shoal.loader import load, run
 from shoal.places import SSH, Container, Copy, Here, Place, Worktree
 from shoal.prices import Price, set_price
@@ -57,6 +60,8 @@ __all__ = [
     "FlowDepthExceeded",
     "FlowError",
     "Here",
+    "HostError",
+    "HostLost",
     "HostUnreachable",
     "ImageNotFound",
     "KeyRefused",
@@ -68,6 +73,7 @@ __all__ = [
     "Price",
     "ProtocolMismatch",
     "ProviderError",
+    "Ray",
     "Reply",
     "Session",
     "ShoalError",

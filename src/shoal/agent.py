@@ -18,7 +18,7 @@ import shutil
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal import backends, fleet
 from shoal.backends.base import DEFAULT_PERMISSIONS, Settings
@@ -27,6 +27,9 @@ from shoal.places import Place, as_place
 from shoal.runtime import runtime
 from shoal.scope import current_scope
 from shoal.session import Session
+
+if TYPE_CHECKING:
+    from shoal.hosts import Host, HostedBackend
 
 log = logging.getLogger("shoal")
 
@@ -54,6 +57,7 @@ class Agent:
         turn_timeout: float | None = 600.0,
         base_url: str | None = None,
         transport: str | None = None,
+        hosts: Host | None = None,
     ) -> None:
         self.id = uuid.uuid4().hex[:10]
         self.name = name or f"{backend}-{self.id[:6]}"
@@ -76,7 +80,11 @@ class Agent:
             turn_timeout=turn_timeout,
             transport=transport,
         )
-        self.backend = backends.make(self.settings)  # unknown backend, bad model, missing CLI: now
+        self.hosts = hosts
+        # with hosts (e.g. shoal.Ray(...)) each session and its CLI run on a node of theirs:
+        # the same Backend protocol either way, and the same checks of the settings at once
+        self._hosted: HostedBackend | None = hosts.attach(self.settings) if hosts is not None else None
+        self.backend = self._hosted or backends.make(self.settings)  # unknown backend, bad model, missing CLI: now
         self.sessions: list[Session] = []
         self.kept: list[str] = []  # notes on places kept at close because they hold work
         self.closed = False
@@ -93,6 +101,8 @@ class Agent:
         if self.closed:
             raise RuntimeError(f"agent {self.name} is closed")
         place = as_place(where)
+        if self._hosted is not None:
+            place = self._hosted.place(place)  # made on the node that hosts the session
         place.check()
         s = Session(self.backend, place, name=name, timeout=self.settings.turn_timeout)
         self.sessions.append(s)
@@ -131,6 +141,7 @@ class Agent:
         kwargs: dict[str, Any] = {
             "backend": s.backend, "model": s.model, "permissions": s.permissions, "env": s.env,
             "args": s.args, "turn_timeout": s.turn_timeout, "base_url": s.base_url, "transport": s.transport,
+            "hosts": self.hosts,
         }
         kwargs.update(changes)
         return Agent(**kwargs)

@@ -74,6 +74,14 @@ class TurnTimeout(TurnFailed):
     """A turn ran past the agent's `turn_timeout`; its CLI was stopped."""
 
 
+class HostLost(TurnFailed):
+    """The node or actor hosting a session died (mid-turn, or before); the next turn starts afresh."""
+
+
+class HostError(ShoalError):
+    """A host for sessions cannot be used: Ray not installed, the cluster unreachable, no node free."""
+
+
 class ProtocolMismatch(ShoalError):
     """The installed CLI does not speak what shoal expects (wrong version)."""
 

@@ -1,6 +1,6 @@
 """The terminal view: a run's agents and `k of N` above, one conversation's stream below.
 
-Every tick (a tenth of a second) folds what the journal grew by into the model, appends the
+Every tick (a twentieth of a second) folds what the journal grew by into the model, appends the
 new lines of the conversation shown, and rewrites the bars; the list of all conversations is
 redrawn at most twice a second, and only the rows that moved. Nothing else is drawn, so two
 hundred conversations streaming cost the reading of their lines and one screen's worth of
@@ -28,7 +28,7 @@ from shoal.watch import panels, render
 from shoal.watch.model import SCREEN_LINES, Model
 from shoal.watch.source import Source, alive
 
-TICK = 0.1  # seconds between reads of the journal
+TICK = 0.05  # seconds between reads of the journal
 LIST_EVERY = 0.5  # seconds between redraws of the list
 GONE_AFTER = 3.0  # seconds of silence before asking whether the run's writer is still there
 COLOURS = {"turn": "bold cyan", "prompt": "bold", "command": "yellow", "tool": "yellow", "output": "grey62",
@@ -109,6 +109,7 @@ class WatchApp(App[None]):
         self._row_order: list[str] = []
         self._heard = time.monotonic()
         self._told_end = False
+        self._said: dict[str, str] = {}
 
     def compose(self) -> ComposeResult:
         yield Static(id="run")
@@ -178,12 +179,19 @@ class WatchApp(App[None]):
 
     def _bars(self) -> None:
         m = self.model
-        self.query_one("#run", Static).update(panels.run_line(m, self.source.waiting_for, self.working_only))
+        self._put("#run", panels.run_line(m, self.source.waiting_for, self.working_only))
         if m is None:
             return
-        self.query_one("#agents", Static).update("\n".join(panels.agent_lines(m, self.current)))
+        self._put("#agents", "\n".join(panels.agent_lines(m, self.current)), layout=True)
         if self.current is not None:
-            self.query_one("#title", Static).update(panels.title_line(m, self.current))
+            self._put("#title", panels.title_line(m, self.current))
+
+    def _put(self, selector: str, text: str, layout: bool = False) -> None:
+        # drawing is most of what the view costs: a bar is redrawn only when its words change,
+        # and only the agents' bar (one line per agent) may change the layout
+        if self._said.get(selector) != text:
+            self._said[selector] = text
+            self.query_one(selector, Static).update(text, layout=layout)
 
     # --- what is shown ----------------------------------------------------------------------------
 

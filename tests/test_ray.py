@@ -13,11 +13,7 @@ the agent's tag: CLI processes on every node of this machine).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,78 +38,28 @@ def test_importing_shoal_does_not_import_ray() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ray_start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    ray_cli = Path(sys.executable).with_name("ray")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_USAGE_STATS_ENABLED="0")
-    with open(log, "ab") as out:
-        # --block: the `ray start` process owns the node's processes, all in the group it leads
-        return subprocess.Popen([str(ray_cli), "start", "--block", "--disable-usage-stats", *args],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """TERM each node's process group (a clean stop), then KILL it: the group may outlive its leader."""
-    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)
-        deadline = time.monotonic() + wait
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.1, deadline - time.monotonic()))
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-ray-", dir="/tmp"))  # short: Ray's socket paths must fit
+    from shoal.hosts.local_cluster import LocalCluster
+
+    state = Path(tempfile.mkdtemp(prefix="shoal-ray-state-"))
     env = pytest.MonkeyPatch()
-    # shoal's state (agents' homes, the places registry, kept patches) in the test's own
-    # directory, here and on the nodes, which inherit it from `ray start`
-    env.setenv("SHOAL_HOME", str(tmp / "state"))
-    port = _free_port()
-    address = f"{HEAD_IP}:{port}"
-    common = ["--num-cpus", "2", "--object-store-memory", str(100 * 1024 * 1024), "--temp-dir", str(tmp / "t")]
-    procs = [_ray_start(["--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--include-dashboard=false",
-                         "--ray-client-server-port", str(_free_port()), "--resources", '{"head": 4}', *common],
-                        tmp / "head.log")]
+    # shoal's state (agents' homes, the places registry, kept patches) in a directory of the
+    # test's own, here and on the nodes, which inherit it from `ray start`
+    env.setenv("SHOAL_HOME", str(state))
+    local = LocalCluster([{"head": 4}, {"node2": 4}], env={"SHOAL_HOME": str(state)})
     try:
-        _wait_for(lambda: _accepts(HEAD_IP, port), 120, "the head node's GCS", tmp / "head.log")
-        procs.append(_ray_start(["--address", address, "--node-ip-address", NODE2_IP,
-                                 "--resources", '{"node2": 4}', *common], tmp / "node2.log"))
-        ray.init(address=address, namespace="shoal", log_to_driver=False, logging_level="WARNING")
-        _wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 120, "two live nodes", tmp / "node2.log")
-        nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        yield {"address": address, "nodes": nodes, "ray": ray}
+        local.start()
+        ray.init(address=local.address, namespace="shoal", log_to_driver=False, logging_level="WARNING")
+        local.wait_for_nodes(2)
+        yield {"address": local.address, "nodes": local.node_ids(), "ray": ray}
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        _stop(procs)
+        local.stop()
         env.undo()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _accepts(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
-def _wait_for(ok: Any, timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def hosted(cluster: dict[str, Any], **host: Any) -> shoal.Agent:
@@ -224,6 +170,9 @@ def test_cancelling_a_turn_stops_the_remote_cli(cluster: dict[str, Any], workdir
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert stray(agent) == []
+            with pytest.raises(shoal.TurnTimeout):  # a turn timed out here stops over there too
+                await s.arun("#! run sleep 30", timeout=3)
+            assert stray(agent) == []
             text = (await s.arun("#! say still here")).text
         assert leftovers(agent.id) == []
         return text
@@ -241,7 +190,7 @@ def test_an_actor_killed_mid_turn_is_host_lost_and_the_next_turn_resumes(
     with hosted(cluster) as agent:
         s = agent.session(where=shoal.Copy(source, root=tmp_path / "copies"))
         s.run("remember: heron\n#! write notes.txt kept across nodes")
-        first_copy, lost = s.cwd, s.place.actor
+        first_copy, lost, scratch = s.cwd, s.place.actor, Path(s.place.where["scratch"])
         assert "notes.txt" in s.place.patch  # the work so far is here, not only on the node
 
         def kill() -> None:
@@ -253,6 +202,10 @@ def test_an_actor_killed_mid_turn_is_host_lost_and_the_next_turn_resumes(
         with pytest.raises(shoal.HostLost, match="died"):
             s.run(f"{tag}\n#! run sleep 20")
         assert leftovers(agent.id, settle=10) == []  # the reaper took the dead actor's CLI with it
+        deadline = time.monotonic() + 10
+        while scratch.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not scratch.exists()  # and its scratch directory
         r = s.run("#! run cat notes.txt\n#! recall")
         assert "heron" in r.text  # the conversation was resumed from the agent's home
         assert any("kept across nodes" in t.output for t in r.tool_calls)  # the place, restored

@@ -57,6 +57,8 @@ CANCEL_WAIT = 30.0  # a cancelled turn stops its CLI in a few seconds (TERM, 2 s
 REAPER = r"""
 import os, shutil, signal, sys, time
 tag, scratch = sys.argv[1].encode(), sys.argv[2]
+if os.fork():
+    os._exit(0)  # not a child of the actor: Ray kills a dead worker's children, and this must outlive it
 sys.stdin.buffer.read()  # returns at EOF: the actor is gone, or done
 me = os.getpid()
 for _ in range(10):
@@ -130,14 +132,15 @@ def _picklable(value: object) -> bool:
     return True
 
 
-def start_reaper(tag: str, scratch: Path) -> tuple[int, subprocess.Popen[bytes]]:
-    """The reaper (see the module docstring); returns the lifeline's write end and the process."""
+def start_reaper(tag: str, scratch: Path) -> int:
+    """The reaper (see the module docstring); returns the lifeline's write end."""
     read, write = os.pipe()  # non-inheritable (PEP 446): only this process holds `write`
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", REAPER, f"{TAG_VAR}={tag}", str(scratch)],
-                            stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # not in the actor's group: it must outlive it
+    # its own session and, once it has forked, no parent here: nothing that ends the actor ends it
+    subprocess.run([sys.executable, "-I", "-S", "-c", REAPER, f"{TAG_VAR}={tag}", str(scratch)],
+                   stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                   check=True, timeout=60)
     os.close(read)
-    return write, proc
+    return write
 
 
 class SessionHost:
@@ -148,7 +151,7 @@ class SessionHost:
         self.settings = replace(settings, env={**settings.env, TAG_VAR: tag})
         self.locate = locate
         self.scratch = Path(tempfile.mkdtemp(prefix="shoal-host-"))
-        self._lifeline, self._reaper = start_reaper(tag, self.scratch)
+        self._lifeline = start_reaper(tag, self.scratch)
         self.backend: Backend | None = None
         self.place: Place | None = None
         self.conv: Conversation | None = None
@@ -181,7 +184,7 @@ class SessionHost:
             await asyncio.to_thread(self.snapshots.start)
             if patch:  # the work of an earlier node, onto this fresh place
                 await asyncio.to_thread(self.snapshots.apply, patch)
-        return {**self.locate(), "cwd": str(cwd), "resumable": resumable}
+        return {**self.locate(), "cwd": str(cwd), "resumable": resumable, "scratch": str(self.scratch)}
 
     # --- turns -----------------------------------------------------------------------------
 
@@ -262,9 +265,7 @@ class SessionHost:
         if remove_home:  # a home shoal made for the agent, on a machine the caller is not on
             await asyncio.to_thread(shutil.rmtree, self.settings.home, True)
         with contextlib.suppress(OSError):
-            os.close(self._lifeline)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(self._reaper.wait, 10)
+            os.close(self._lifeline)  # the reaper sweeps (nothing should be left) and removes the scratch
 
     def held(self) -> list[int]:
         held = getattr(self.backend, "held_pids", None)

@@ -213,6 +213,23 @@ def test_list_view_shows_every_conversation_and_opens_one(runs: Path) -> None:
     drive(app, script)
 
 
+def test_a_run_whose_writer_is_gone_reads_as_unfinished(runs: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    j = Journal(runs)
+    j.write("run.began", name="killed", pid=gone.pid, argv=[])
+    j.write("session.made", call="root", session="c0", name="c0", agent="a1", agent_name="coder")
+    j.write("turn.began", call="root", session="c0", turn=1, prompt="never answered")
+    app = WatchApp(Source())
+
+    async def script(pilot: Pilot[None]) -> None:
+        await pilot.pause(0.2)
+        assert "ended unfinished" in text_of(app, "#run")
+        assert app.model is not None and app.model.status("c0") == "stopped"
+
+    drive(app, script)
+
+
 def test_a_torn_last_line_waits_for_its_end(tmp_path: Path) -> None:
     path = tmp_path / "journal.jsonl"
     first = json.dumps({"t": 1.0, "kind": "run.began", "name": "x"}) + "\n"

@@ -30,7 +30,7 @@ from shoal.watch.source import Source, alive
 
 TICK = 0.05  # seconds between reads of the journal
 LIST_EVERY = 0.5  # seconds between redraws of the list
-GONE_AFTER = 3.0  # seconds of silence before asking whether the run's writer is still there
+GONE_AFTER = 3.0  # seconds between asking whether a quiet run's writer is still there
 COLOURS = {"turn": "bold cyan", "prompt": "bold", "command": "yellow", "tool": "yellow", "output": "grey62",
            "ok": "green", "failed": "bold red", "notice": "magenta", "info": "grey50"}
 
@@ -76,7 +76,7 @@ class FullRecord(Screen[None]):
 class WatchApp(App[None]):
     CSS = """
     #run { height: 1; background: $panel; }
-    #agents { height: auto; max-height: 6; background: $boost; }
+    #agents { height: 1; background: $boost; }
     #title { height: 1; background: $primary-background; }
     #full-title { height: 1; background: $primary-background; }
     #screen, #full { height: 1fr; }
@@ -107,21 +107,24 @@ class WatchApp(App[None]):
         self._list_at = 0.0
         self._rows: dict[str, tuple[str, ...]] = {}
         self._row_order: list[str] = []
-        self._heard = time.monotonic()
+        self._asked = -GONE_AFTER  # when we last asked whether the run's writer is alive
         self._told_end = False
         self._said: dict[str, str] = {}
 
     def compose(self) -> ComposeResult:
-        yield Static(id="run")
-        yield Static(id="agents")
-        yield Static(id="title")
-        yield screen_log(SCREEN_LINES, "screen")
-        yield DataTable(id="list", cursor_type="row", zebra_stripes=True)
+        # held, not queried: a query asks the screen on top, which is not this one while the
+        # full record is shown, and ticks go on under it
+        self._bar = {f"#{name}": Static(id=name) for name in ("run", "agents", "title")}
+        self._log = screen_log(SCREEN_LINES, "screen")
+        self._table: DataTable[str] = DataTable(id="list", cursor_type="row", zebra_stripes=True)
+        yield from self._bar.values()
+        yield self._log
+        yield self._table
         yield Footer()
 
     def on_ready(self) -> None:
         # on Ready, not Mount: the widgets the first tick fills are all there by then
-        self.query_one("#list", DataTable).add_columns(*panels.COLUMNS)
+        self._table.add_columns(*panels.COLUMNS)
         self.tick()
         self.set_interval(TICK, self.tick)
 
@@ -140,10 +143,8 @@ class WatchApp(App[None]):
         m = self.model
         ch = m.poll()
         now = time.monotonic()
-        if ch.records:
-            self._heard = now
-        elif not m.over and not m.replaying and now - self._heard > GONE_AFTER:
-            self._heard = now
+        if not ch.records and not m.over and not m.replaying and now - self._asked > GONE_AFTER:
+            self._asked = now  # caught up with a run that has not ended: is its writer still there?
             if not alive(m.pid):
                 m.abandon()
                 ch.run = True
@@ -156,7 +157,7 @@ class WatchApp(App[None]):
         if self.current is not None and self.current == shown and self.current in ch.rebuilt:
             self.show(self.current)  # its screen was merged with its unit's: read it back whole
         elif self.current is not None and self.current == shown and self.current in ch.lines:
-            self.query_one("#screen", Log).write_lines(ch.lines[self.current])
+            self._log.write_lines(ch.lines[self.current])
             if self.probe is not None:
                 self.call_after_refresh(self.probe, "screen", ch.latest[self.current])
         self._bars()
@@ -182,16 +183,20 @@ class WatchApp(App[None]):
         self._put("#run", panels.run_line(m, self.source.waiting_for, self.working_only))
         if m is None:
             return
-        self._put("#agents", "\n".join(panels.agent_lines(m, self.current)), layout=True)
+        agents = panels.agent_lines(m, self.current)
+        bar = self._bar["#agents"]
+        if bar.styles.height is None or bar.styles.height.value != len(agents):
+            bar.styles.height = len(agents)  # said outright: `auto` missed the second agent in a real terminal
+        self._put("#agents", "\n".join(agents))
         if self.current is not None:
             self._put("#title", panels.title_line(m, self.current))
 
-    def _put(self, selector: str, text: str, layout: bool = False) -> None:
+    def _put(self, selector: str, text: str) -> None:
         # drawing is most of what the view costs: a bar is redrawn only when its words change,
-        # and only the agents' bar (one line per agent) may change the layout
+        # and never changes the layout (each bar's height is set, not measured)
         if self._said.get(selector) != text:
             self._said[selector] = text
-            self.query_one(selector, Static).update(text, layout=layout)
+            self._bar[selector].update(text, layout=False)
 
     # --- what is shown ----------------------------------------------------------------------------
 
@@ -199,14 +204,14 @@ class WatchApp(App[None]):
         """Show one conversation: its kept screen, or its tail read back from the journal."""
         assert self.model is not None
         self.current = key
-        log = self.query_one("#screen", Log)
+        log = self._log
         log.clear()
         log.write_lines(list(self.model.screen(key)))
         self._bars()
 
     def _draw_list(self, reshaped: bool) -> None:
         assert self.model is not None
-        m, table = self.model, self.query_one("#list", DataTable)
+        m, table = self.model, self._table
         self._list_at = time.monotonic()
         order = m.order()
         if reshaped or order != self._row_order:
@@ -256,8 +261,8 @@ class WatchApp(App[None]):
         if self.model is None:
             return
         self.listing = not self.listing
-        table = self.query_one("#list", DataTable)
-        self.query_one("#screen", Log).display = not self.listing
+        table = self._table
+        self._log.display = not self.listing
         table.display = self.listing
         if self.listing:
             self._draw_list(True)
@@ -266,7 +271,7 @@ class WatchApp(App[None]):
 
     def _follow_in_list(self) -> None:
         if self.listing and self.current in self._row_order:
-            self.query_one("#list", DataTable).move_cursor(row=self._row_order.index(self.current))
+            self._table.move_cursor(row=self._row_order.index(self.current))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         key = event.row_key.value

@@ -22,8 +22,9 @@ import shoal
 from conftest import BACKENDS
 from shoal.journal import Journal
 from shoal.watch.app import FullRecord, WatchApp
-from shoal.watch.model import SCREEN_LINES, SCREENS, Model, Tail
+from shoal.watch.model import SCREEN_LINES, SCREENS, Model
 from shoal.watch.source import Source
+from shoal.watch.tail import Tail
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,6 +229,31 @@ def test_a_run_whose_writer_is_gone_reads_as_unfinished(runs: Path) -> None:
         assert app.model is not None and app.model.status("c0") == "stopped"
 
     drive(app, script)
+
+
+def test_a_batch_unit_is_one_conversation_from_queued_to_stuck(runs: Path) -> None:
+    f = Fake(runs)
+    unit = {"call": "batch", "task": "fix", "agent": "a1"}
+    f.j.write("unit.status", index=0, status="queued", tries=0, session=None, **unit)
+    m = Model(f.j.path)
+    m.poll()
+    assert [m.status(k) for k in m.order()] == ["queued"]  # waiting behind `limit`: no session yet
+    f.conv("s1")  # its session is made (and seen) before the unit says it is its own
+    f.j.write("unit.status", index=0, status="working", tries=1, session="s1", **unit)
+    f.began("s1")
+    f.text("s1", "on it")
+    ch = m.poll()
+    assert ch.shape and list(m.convs) == ["batch#0"] and m.resolve("s1") == "batch#0"
+    assert m.status("batch#0") == "working" and m.convs["batch#0"].name == "fix"
+    f.ended("s1")
+    f.j.write("unit.status", index=0, status="checking", tries=1, session="s1", **unit)
+    m.poll()
+    assert m.status("batch#0") == "checking"
+    f.j.write("unit.status", index=0, status="stuck", tries=2, session="s1", error="failed the same way twice", **unit)
+    m.poll()
+    assert m.status("batch#0") == "stuck" and m.convs["batch#0"].error == "failed the same way twice"
+    screen = list(m.screen("batch#0"))  # read back from the journal: the unit's lines and its session's, in order
+    assert screen[0] == "· unit fix: queued" and "on it" in screen and screen[-1].startswith("✗ unit fix: stuck")
 
 
 def test_a_torn_last_line_waits_for_its_end(tmp_path: Path) -> None:

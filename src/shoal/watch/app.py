@@ -21,6 +21,7 @@ from rich.highlighter import Highlighter
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.coordinate import Coordinate
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Log, Static
 
@@ -91,7 +92,9 @@ class WatchApp(App[None]):
         Binding("l", "toggle_list", "list"),
         Binding("f", "full", "full record"),
         Binding("q", "quit", "quit"),
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),  # as in any terminal program
     ]
+    ENABLE_COMMAND_PALETTE = False
 
     def __init__(self, source: Source, *, speed: float | None = None, stop_when: Callable[[], bool] | None = None,
                  probe: Probe | None = None) -> None:
@@ -115,10 +118,10 @@ class WatchApp(App[None]):
         # held, not queried: a query asks the screen on top, which is not this one while the
         # full record is shown, and ticks go on under it
         self._bar = {f"#{name}": Static(id=name) for name in ("run", "agents", "title")}
-        self._log = screen_log(SCREEN_LINES, "screen")
+        self._screen_log = screen_log(SCREEN_LINES, "screen")
         self._table: DataTable[str] = DataTable(id="list", cursor_type="row", zebra_stripes=True)
         yield from self._bar.values()
-        yield self._log
+        yield self._screen_log
         yield self._table
         yield Footer()
 
@@ -157,7 +160,7 @@ class WatchApp(App[None]):
         if self.current is not None and self.current == shown and self.current in ch.rebuilt:
             self.show(self.current)  # its screen was merged with its unit's: read it back whole
         elif self.current is not None and self.current == shown and self.current in ch.lines:
-            self._log.write_lines(ch.lines[self.current])
+            self._screen_log.write_lines(ch.lines[self.current])
             if self.probe is not None:
                 self.call_after_refresh(self.probe, "screen", ch.latest[self.current])
         self._bars()
@@ -186,7 +189,7 @@ class WatchApp(App[None]):
         agents = panels.agent_lines(m, self.current)
         bar = self._bar["#agents"]
         if bar.styles.height is None or bar.styles.height.value != len(agents):
-            bar.styles.height = len(agents)  # said outright: `auto` missed the second agent in a real terminal
+            bar.styles.height = len(agents)  # one line per agent, set rather than measured on every redraw
         self._put("#agents", "\n".join(agents))
         if self.current is not None:
             self._put("#title", panels.title_line(m, self.current))
@@ -204,7 +207,7 @@ class WatchApp(App[None]):
         """Show one conversation: its kept screen, or its tail read back from the journal."""
         assert self.model is not None
         self.current = key
-        log = self._log
+        log = self._screen_log
         log.clear()
         log.write_lines(list(self.model.screen(key)))
         self._bars()
@@ -221,13 +224,13 @@ class WatchApp(App[None]):
                 table.add_row(*self._rows[k], key=k)
             self._row_order = list(order)
             return
-        for k in order:
+        for i, k in enumerate(order):
             new = panels.row(m, k)
             old = self._rows.get(k)
             if new != old:
                 for column, (a, b) in enumerate(zip(old or (), new, strict=False)):
                     if a != b:
-                        table.update_cell_at((order.index(k), column), b)
+                        table.update_cell_at(Coordinate(i, column), b)
                 self._rows[k] = new
 
     # --- keys --------------------------------------------------------------------------------------
@@ -262,7 +265,7 @@ class WatchApp(App[None]):
             return
         self.listing = not self.listing
         table = self._table
-        self._log.display = not self.listing
+        self._screen_log.display = not self.listing
         table.display = self.listing
         if self.listing:
             self._draw_list(True)

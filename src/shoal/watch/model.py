@@ -12,7 +12,6 @@ is one too, and becomes its session's when the unit says which it got.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections import OrderedDict, deque
@@ -21,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from shoal.watch import render
+from shoal.watch.tail import Tail
 
 SCREENS = 8  # conversations whose screens are kept
 SCREEN_LINES = 2000  # lines kept of each
-READ_LIMIT = 4 << 20  # bytes read per poll, so a long backlog never freezes the view
 
 # a batch unit's own words -> the view's (a unit that passed is done)
 UNIT = {"passed": "done", "checking": "checking", "failed": "failed", "stuck": "stuck", "skipped": "skipped"}
@@ -93,43 +92,6 @@ class Changes:
     rebuilt: set[str] = field(default_factory=set)  # screens dropped, to be read back whole
     shape: bool = False  # conversations or agents came, went or regrouped
     run: bool = False  # the run began or ended
-
-
-class Tail:
-    """Reads whole lines appended to a file since the last read; a torn last line waits for its end."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.pos = 0  # where the next unread byte is
-        self._partial = b""
-        self._file: Any = None
-
-    def read(self, limit: int = READ_LIMIT) -> list[tuple[int, dict[str, Any]]]:
-        if self._file is None:
-            try:
-                self._file = open(self.path, "rb")  # noqa: SIM115 - held while following
-            except FileNotFoundError:
-                return []
-        self._file.seek(self.pos + len(self._partial))
-        data = self._file.read(limit)
-        if not data:
-            return []
-        buf = self._partial + data
-        out = []
-        start = 0
-        while (end := buf.find(b"\n", start)) >= 0:
-            # a line torn by a killed writer and then written past is skipped: the rest still reads
-            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
-                out.append((self.pos + start, json.loads(buf[start:end])))
-            start = end + 1
-        self.pos += start
-        self._partial = buf[start:]
-        return out
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 class Model:

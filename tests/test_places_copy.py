@@ -24,6 +24,8 @@ def tree(tmp_path: Path) -> Path:
 
 
 def test_a_turn_in_a_copy_is_kept_and_the_source_untouched(backend: str, tmp_path: Path) -> None:
+    if ":" in backend:
+        pytest.skip("a local place is the same to every transport; one per CLI is enough")
     src = tree(tmp_path)
     with make_agent(backend) as agent:
         s = agent.session(where=shoal.Copy(src, root=tmp_path / "copies"))

@@ -113,18 +113,19 @@ class Container:
             await self._check_image()
             await self._start()
             shell = await self._shell()
+            engine_env = {k: os.environ[k] for k in ENGINE_ENV if k in os.environ}
+            config = {"kind": "container", "name": self.name, "shell": shell, "bash": shim.local_bash(),
+                      "prefix": [str(self.engine_path), "exec", "--user", f"{os.getuid()}:{os.getgid()}"],
+                      "local_root": str(self.project), "remote_root": str(self.project), "env": engine_env}
+            self._env = shim.write(registry.place_dir(self.id), config, f"container {self.name}")
+            registry.add(self.id, self.kind, self.project, engine=self.engine, container=self.name,
+                         image=self.image, shim=str(registry.place_dir(self.id)))
         except BaseException:
             await self._remove()  # nothing half-made is left behind
+            await asyncio.to_thread(shutil.rmtree, registry.place_dir(self.id), True)
             if self.inner is not None:
                 await self.inner.close()
             raise
-        engine_env = {k: os.environ[k] for k in ENGINE_ENV if k in os.environ}
-        config = {"kind": "container", "name": self.name, "shell": shell, "bash": shim.local_bash(),
-                  "prefix": [str(self.engine_path), "exec", "--user", f"{os.getuid()}:{os.getgid()}"],
-                  "local_root": str(self.project), "remote_root": str(self.project), "env": engine_env}
-        self._env = shim.write(registry.place_dir(self.id), config, f"container {self.name}")
-        registry.add(self.id, self.kind, self.project, engine=self.engine, container=self.name,
-                     image=self.image, shim=str(registry.place_dir(self.id)))
         self.opened = True
         return self.project
 

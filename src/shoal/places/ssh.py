@@ -111,16 +111,17 @@ class SSH:
             await self._connect()
             self.remote_dir, shell = await self._probe()
             await self._mount()
+            config = {"kind": "ssh", "shell": shell, "bash": shim.local_bash(),
+                      "prefix": ["ssh", *self.ssh_options(), "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no",
+                                 "-n", "-T", self.dest],
+                      "local_root": str(self.mount), "remote_root": self.remote_dir}
+            self._env = shim.write(self.dir, config, f"{self.dest}:{self.remote_dir}")
+            registry.add(self.id, self.kind, self.mount, target=f"{self.dest}:{self.remote_dir}", dir=str(self.dir),
+                         ctl=str(self.ctl))
         except BaseException:
             await self._teardown()  # nothing half-made is left behind
+            registry.remove(self.id)
             raise
-        config = {"kind": "ssh", "shell": shell, "bash": shim.local_bash(),
-                  "prefix": ["ssh", *self.ssh_options(), "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no",
-                             "-n", "-T", self.dest],
-                  "local_root": str(self.mount), "remote_root": self.remote_dir}
-        self._env = shim.write(self.dir, config, f"{self.dest}:{self.remote_dir}")
-        registry.add(self.id, self.kind, self.mount, target=f"{self.dest}:{self.remote_dir}", dir=str(self.dir),
-                     ctl=str(self.ctl))
         self.opened = True
         return self.mount
 

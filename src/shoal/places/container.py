@@ -10,6 +10,9 @@ attached `<engine> run -i --rm` client shoal started. However shoal ends — clo
 crashed — that pipe closes, the main process exits and `--rm` removes the container, so no
 container outlives the process that made it; `close()` removes it at once besides.
 
+Measured with podman/runc on a 2-core box: up 0.3 s (8 at once: 1.5 s), down 0.15 s, and each
+command ~0.19 s (`podman exec`) where a local one takes 1 ms.
+
 podman and docker have the same CLI surface for all of this. On hosts where podman needs
 settings (runtime, cgroup manager, ulimits), give them the usual way (`CONTAINERS_CONF`,
 containers.conf); that environment is captured when the place is made and given to every

@@ -10,8 +10,9 @@ go through the shim (`shim.py`): `ssh` over the held connection, `cd` into the r
 directory, run there; absolute paths of the mount in a command are rewritten to the remote
 directory's.
 
-Measured on this machine (sshd on 127.0.0.1): connecting ~0.1 s, mounting ~0.1 s; each command
-costs one multiplexed ssh session (a few ms) plus the remote login shell's own start-up.
+Measured on a 2-core box (sshd on 127.0.0.1): connecting, probing and mounting 0.4 s, giving
+back 0.03 s; a command costs ~0.19 s over the held connection (a fresh ssh login: 0.34 s), most
+of it the remote login shell's own start-up (here root's ~/.bashrc runs `pyenv init`).
 
 Given back, it unmounts, closes the connection and removes its private directory — which is
 only ever deleted once it is no longer a mount point. If shoal is killed instead, ssh and

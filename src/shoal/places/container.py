@@ -152,6 +152,8 @@ class Container:
         argv = [self.engine_path, "run", "-i", "--rm", "--name", self.name, "--label", f"shoal.place={self.id}",
                 "--label", f"shoal.pid={os.getpid()}", "--user", f"{uid}:{gid}",
                 "--volume", f"{self.project}:{self.project}", "--workdir", str(self.project)]
+        if uid != 0 and "podman" in Path(str(self.engine_path)).name:
+            argv.append("--userns=keep-id")  # rootless podman: the caller's uid inside is the caller's outside
         git_dir = linked_git_dir(self.project)
         if git_dir is not None:  # a worktree's history lives in its repository's .git: git works inside too
             argv += ["--volume", f"{git_dir}:{git_dir}"]

@@ -21,6 +21,7 @@ import pytest
 
 import shoal
 from conftest import leftovers, stray
+from shoal.backends.base import Conversation, Settings
 from shoal.backends.opencode import OpenCode
 from shoal.backends.opencode_server import Server, check_bind
 from shoal.loopback import LoopbackModel
@@ -154,7 +155,7 @@ def test_killed_server_is_replaced_and_the_next_turn_resumes(workdir: Path) -> N
         r = s.run("#! recall")
         assert "osprey" in r.text
         notices = [e for e in r.events if isinstance(e, Notice)]
-        assert notices and notices[0].kind == "restart" and "exited" in notices[0].message
+        assert [n.kind for n in notices] == ["restart"] and "replaced" in notices[0].message
         assert len(serve_pids(agent)) == 1 and serve_pids(agent) != [old]
     assert leftovers(agent.id) == []
 
@@ -213,3 +214,19 @@ def test_run_transport_retries_a_locked_database(workdir: Path) -> None:
         holder.join()
     assert r.text == "through"
     assert any(isinstance(e, Notice) and e.kind == "retry" and "busy" in e.message for e in r.events)
+
+
+def test_agent_and_model_pass_through_to_each_prompt(tmp_path: Path) -> None:
+    def settings(args: list[str], model: str = "loopback") -> Settings:
+        return Settings(backend="opencode", model=model, base_url="http://127.0.0.1:9", home=tmp_path,
+                        agent_id="x", args=args)
+
+    server = OpenCode(settings(["--agent", "plan", "--model=anthropic/claude-x"])).server
+    assert server is not None and server.fields == {
+        "agent": "plan", "model": {"providerID": "anthropic", "modelID": "claude-x"}}
+    server = OpenCode(settings([], model="openai/gpt-x")).server
+    assert server is not None and server.fields == {"model": {"providerID": "openai", "modelID": "gpt-x"}}
+    with pytest.raises(ValueError, match="transport='run'"):
+        OpenCode(settings(["--print-logs"]))
+    run = OpenCode(Settings(**{**vars(settings(["--agent", "plan"])), "transport": "run"}))
+    assert run.server is None and run._argv(Conversation(cwd=tmp_path))[-2:] == ["--agent", "plan"]

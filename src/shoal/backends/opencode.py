@@ -1,8 +1,9 @@
 """opencode, driven one of two ways (`Settings.transport`):
 
 - "server" (the default): one managed `opencode serve` holds every session of the agent and
-  runs their turns at once (`opencode_server.py`). Measured on 2 cores it is several times
-  faster than a process per turn and holds one process's memory instead of one per turn.
+  runs their turns at once (`opencode_fleet.py`, `opencode_server.py`). Measured on 2 cores
+  it is several times faster than a process per turn and holds one process's memory instead
+  of one per turn in flight.
 - "run": one `opencode run --format json` process per turn, resumed by its session id.
 
 In "run", the prompt goes in on stdin: opencode reads a piped stdin as the message, which keeps any
@@ -22,7 +23,7 @@ from typing import Any
 
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
 from shoal.backends.opencode_events import refused, usage_of
-from shoal.backends.opencode_server import ServerPool
+from shoal.backends.opencode_fleet import ServerPool
 from shoal.errors import BackendCrashed, BadModel, ProviderError, TurnFailed
 from shoal.procs import Proc
 from shoal.reply import Event, Notice, Started, StepUsage, Text, ToolFinished, ToolStarted

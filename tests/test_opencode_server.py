@@ -7,6 +7,7 @@ cancelling and crashes on both transports; these are the server's own promises.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
@@ -190,6 +191,18 @@ def test_write_outside_the_directory_is_refused_with_a_named_event(transport: st
     refused = [e for e in r.events if isinstance(e, ToolFinished) and not e.ok]
     assert len(refused) == 1 and str(outside) in str(refused[0].input)
     assert any(isinstance(e, Notice) and e.kind == "refused" and f"{outside}/x.txt" in e.message for e in r.events)
+
+
+def test_an_ask_left_in_a_raw_config_is_refused_not_waited_on(tmp_path: Path) -> None:
+    with shoal.Agent("opencode") as plain:
+        config = plain.backend._config()  # type: ignore[attr-defined]
+    config["permission"]["external_directory"] = "ask"  # as if the user's raw config said so
+    with shoal.Agent("opencode", env={"OPENCODE_CONFIG_CONTENT": json.dumps(config)}) as agent:
+        r = agent.session(where=tmp_path).run(f"#! write {tmp_path.parent}/asked.txt x\n#! say end", timeout=60)
+    assert not (tmp_path.parent / "asked.txt").exists()
+    assert any(isinstance(e, Notice) and e.kind == "refused" and "external_directory" in e.message
+               for e in r.events)
+    assert any(isinstance(e, ToolFinished) and not e.ok and "rejected" in e.output for e in r.events)
 
 
 def test_run_transport_retries_a_locked_database(workdir: Path) -> None:

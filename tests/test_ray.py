@@ -53,7 +53,7 @@ def cluster() -> Iterator[dict[str, Any]]:
         local.start()
         ray.init(address=local.address, namespace="shoal", log_to_driver=False, logging_level="WARNING")
         local.wait_for_nodes(2)
-        yield {"address": local.address, "nodes": local.node_ids(), "ray": ray}
+        yield {"address": local.address, "nodes": local.node_ids(), "ray": ray, "client_port": local.client_port}
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -113,6 +113,18 @@ def test_sessions_land_on_the_nodes_their_resources_name(cluster: dict[str, Any]
     assert leftovers(on_head.id) == [] and leftovers(on_node2.id) == []
 
 
+def test_opencode_too(cluster: dict[str, Any], workdir: Path) -> None:
+    with shoal.Agent("opencode", hosts=shoal.Ray(address=cluster["address"], num_cpus=0,
+                                                 resources={"node2": 1})) as agent:
+        s = agent.session(where=workdir)
+        r = s.run("remember: kestrel\n#! write a.txt from opencode on node2\n#! run cat a.txt")
+        assert s.place.where["ip"] == NODE2_IP and r.text == "ok" and r.usage.cost > 0
+        assert (workdir / "a.txt").read_text().strip() == "from opencode on node2"
+        assert "kestrel" in s.run("#! recall").text
+        assert stray(agent) == []  # its server is held by design, on the node; nothing else is left
+    assert leftovers(agent.id) == []
+
+
 def test_many_sessions_at_once_spread_over_both_nodes(cluster: dict[str, Any], tmp_path: Path) -> None:
     dirs = [tmp_path / f"d{i}" for i in range(4)]
     for d in dirs:
@@ -144,6 +156,24 @@ def test_events_stream_back_and_errors_keep_their_names(cluster: dict[str, Any],
         assert info.value.status == 401 or "401" in str(info.value)
         assert s.run("#! say recovered").text == "recovered"
     assert leftovers(agent.id) == []
+
+
+def test_a_driver_through_ray_client(cluster: dict[str, Any], workdir: Path) -> None:
+    # another process: this one is connected to the cluster directly already
+    code = f"""if True:
+        import shoal
+        host = shoal.Ray(address="ray://{HEAD_IP}:{cluster['client_port']}", num_cpus=0, resources={{"node2": 1}})
+        with shoal.Agent("{BACKEND}", hosts=host) as agent:
+            s = agent.session(where="{workdir}")
+            r = s.run("remember: wren\\n#! run echo through the client")
+            print(r.text, s.place.where["ip"], r.tool_calls[-1].output.strip())
+            print(s.run("#! recall").text)
+            print(agent.id)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = out.stdout.splitlines()
+    assert lines[:2] == [f"ok {NODE2_IP} through the client", "recalled: wren"], (lines, out.stderr[-3000:])
+    assert leftovers(lines[2]) == []
 
 
 def test_a_node_that_cannot_take_the_session_is_named(cluster: dict[str, Any], workdir: Path) -> None:

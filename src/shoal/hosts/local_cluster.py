@@ -57,6 +57,7 @@ class LocalCluster:
         self.env = dict(env or {})
         self.ips = [f"127.0.0.{i + 2}" for i in range(len(nodes))]
         self.port = 0
+        self.client_port = 0  # Ray Client's (`ray://127.0.0.2:<client_port>`)
         self.dir = Path(".")
         self.procs: list[subprocess.Popen[bytes]] = []
 
@@ -72,7 +73,7 @@ class LocalCluster:
         if not ray_cli.exists():
             raise HostError(f"no `ray` command next to {sys.executable}: `pip install 'shoal[ray]'`")
         self.dir = Path(tempfile.mkdtemp(prefix="shoal-ray-", dir="/tmp"))  # short: Ray's socket paths must fit
-        self.port = free_port()
+        self.port, self.client_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(RAY_USAGE_STATS_ENABLED="0", **self.env)
         common = ["--num-cpus", str(self.num_cpus), "--object-store-memory", str(self.object_store_mb * 1024 * 1024),
@@ -80,7 +81,7 @@ class LocalCluster:
         try:
             for i, (ip, resources) in enumerate(zip(self.ips, self.nodes, strict=True)):
                 where = (["--head", "--port", str(self.port), "--include-dashboard=false",
-                          "--ray-client-server-port", str(free_port())] if i == 0 else ["--address", self.address])
+                          "--ray-client-server-port", str(self.client_port)] if i == 0 else ["--address", self.address])
                 argv = [str(ray_cli), "start", "--block", "--node-ip-address", ip, *where,
                         "--resources", json.dumps(resources), *common]
                 with open(self.log(i), "ab") as out:

@@ -38,6 +38,14 @@ def test_importing_shoal_does_not_import_ray() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
+def test_without_ray_the_agent_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shoal.hosts.ray
+
+    monkeypatch.setattr(shoal.hosts.ray, "installed", lambda: False)
+    with pytest.raises(shoal.HostError, match=r"shoal\[ray\]"):
+        shoal.Agent(BACKEND, hosts=shoal.Ray())
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
@@ -153,8 +161,11 @@ def test_events_stream_back_and_errors_keep_their_names(cluster: dict[str, Any],
         assert any(isinstance(i, shoal.ToolFinished) and "streamed" in i.output for i in items)
         with pytest.raises(shoal.ProviderError) as info:
             s.run("#! fail 401")
-        assert info.value.status == 401 or "401" in str(info.value)
+        assert info.value.status == 401 or "401" in str(info.value)  # the error's own fields came back
         assert s.run("#! say recovered").text == "recovered"
+        nowhere = agent.session(where=shoal.Worktree(workdir, task="x"))  # checked on the node, not here
+        with pytest.raises(shoal.NotAGitRepo):
+            nowhere.run("#! say never")
     assert leftovers(agent.id) == []
 
 

@@ -62,8 +62,8 @@ class Ray:
     session's actor reserves on its node; `labels` picks nodes by label (`ray start --labels`);
     `strategy` is a Ray scheduling strategy ("SPREAD" spreads sessions over nodes).
     `push`: a git remote (a name configured on the node, a path or a URL) each copy's or
-    worktree's work is pushed to at the end, as its branch. `runtime_env`: Ray's, for the
-    connection (e.g. to install shoal on nodes that lack it). `start_timeout`: how long a session
+    worktree's work is pushed to at the end, as its branch. `runtime_env`: Ray's, for each
+    session's actor (e.g. to install shoal on nodes that lack it). `start_timeout`: how long a session
     waits for a node to take it."""
 
     address: str | None = "auto"
@@ -79,13 +79,15 @@ class Ray:
 
     def attach(self, settings: Settings) -> RayBackend:
         """The backend of one agent whose sessions run on this cluster (see `Agent(hosts=)`)."""
-        if importlib.util.find_spec("ray") is None:
+        if not installed():
             raise HostError("hosts=shoal.Ray(...) needs Ray: `pip install 'shoal[ray]'` (or `pip install ray`)")
         return RayBackend(self, settings)
 
     def actor_options(self, name: str) -> dict[str, Any]:
-        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "name": name, "max_restarts": 0,
-                                "max_concurrency": 16}  # next(), cancel() and the rest at once
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "name": name, "namespace": self.namespace,
+                                "max_restarts": 0, "max_concurrency": 16}  # next(), cancel() and the rest at once
+        if self.runtime_env:
+            opts["runtime_env"] = dict(self.runtime_env)  # per actor: holds even when Ray was connected already
         if self.memory:
             opts["memory"] = self.memory
         if self.resources:
@@ -97,15 +99,22 @@ class Ray:
         return opts
 
 
+def installed() -> bool:
+    return importlib.util.find_spec("ray") is not None
+
+
 def connect(host: Ray) -> Any:
-    """The `ray` module, connected (once per process; an existing connection is kept)."""
+    """The `ray` module, connected (once per process; an existing connection is kept).
+
+    Ray holds one connection per process: the first hosted agent (or the program's own
+    `ray.init`) decides which cluster every hosted agent of this process uses."""
     import ray
 
     with _connect_lock:
         if not ray.is_initialized():
             try:
-                ray.init(address=host.address, namespace=host.namespace, runtime_env=host.runtime_env,
-                         log_to_driver=False, logging_level=logging.WARNING)
+                ray.init(address=host.address, namespace=host.namespace, log_to_driver=False,
+                         logging_level=logging.WARNING)
             except ConnectionError as exc:
                 raise HostError(f"cannot reach the Ray cluster at {host.address!r}: {exc}. Start one "
                                 f"(`ray start --head`) or pass its address: shoal.Ray(address=...)") from None

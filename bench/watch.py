@@ -9,8 +9,9 @@ but the bytes to a terminal), stepping to the next working conversation every se
 step reads a screen back from the journal) and showing the list of all of them for a while.
 
 Prints the event-to-screen lag (a record's write time to the end of the refresh that showed
-it: for the conversation shown, and for the bars every conversation moves) and the CPU the
-view spent (this process; the writer is another).
+it: the newest line of the conversation shown, and the oldest record of each refresh, which
+every conversation's moves reach the bars and the list by) and the CPU the view spent (this
+process; the writer is another).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ async def view(base: Path, args: argparse.Namespace) -> None:
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     print(f"shoal watch, {shown} conversations streaming for {args.seconds:g} s: {written} records "
           f"({written / args.seconds:.0f}/s, {args.rate:g}/s each)")
-    for kind, what in (("screen", "the conversation shown"), ("view", "bars and list (all conversations)")):
+    for kind, what in (("screen", "the conversation shown"), ("view", "bars and list, oldest record of each refresh")):
         xs = sorted(x * 1000 for x in lags[kind])
         if xs:
             print(f"  event-to-screen lag, {what}: p50 {pct(xs, 50):.0f} ms, p95 {pct(xs, 95):.0f} ms, "

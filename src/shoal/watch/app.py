@@ -102,7 +102,7 @@ class WatchApp(App[None]):
         self.source = source
         self.speed = speed
         self.stop_when = stop_when  # the work behind `--watch` ended without ever starting a run
-        self.probe = probe  # bench: told when new records are on screen, after the refresh
+        self.probe = probe  # bench: told, after the refresh, the write time of records it put on screen
         self.model: Model | None = None
         self.current: str | None = None
         self.working_only = True
@@ -167,7 +167,7 @@ class WatchApp(App[None]):
         if self.listing and (ch.shape or now - self._list_at >= LIST_EVERY):
             self._draw_list(ch.shape)
         if self.probe is not None and ch.records:
-            self.call_after_refresh(self.probe, "view", ch.newest)
+            self.call_after_refresh(self.probe, "view", ch.oldest)  # the longest any record of this tick waited
 
     def _keep_current(self) -> None:
         """After conversations came, went or merged: still the same one, or the first there is."""

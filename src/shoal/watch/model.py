@@ -89,6 +89,7 @@ class Changes:
     lines: dict[str, list[str]] = field(default_factory=dict)  # kept screens only
     latest: dict[str, float] = field(default_factory=dict)  # conversation -> newest record time
     newest: float = 0.0  # newest record time of all
+    oldest: float = 0.0  # oldest record time of all (0 when none)
     rebuilt: set[str] = field(default_factory=set)  # screens dropped, to be read back whole
     shape: bool = False  # conversations or agents came, went or regrouped
     run: bool = False  # the run began or ended
@@ -151,6 +152,7 @@ class Model:
         kind, t = r.get("kind"), float(r.get("t", 0))
         self.last_record = max(self.last_record, t)
         ch.newest = max(ch.newest, t)
+        ch.oldest = min(ch.oldest, t) if ch.oldest else t
         if kind == "run.began":
             self.run_name, self.run_began, self.pid, ch.run = str(r.get("name", "")), t, r.get("pid"), True
             return

@@ -84,6 +84,15 @@ def wait_for_request(loopback: LoopbackModel, marker: str, timeout: float = 60) 
     raise AssertionError(f"no request with {marker!r} reached the loopback model")
 
 
+def kill(ray: Any, actor: Any) -> None:
+    """ray.kill, and wait until the actor is dead (the kill itself is asynchronous)."""
+    ray.kill(actor, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(100):
+            ray.get(actor.ready.remote(), timeout=60)
+            time.sleep(0.1)
+
+
 def git(cwd: Path, *argv: str) -> str:
     return subprocess.run(["git", *argv], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
@@ -234,12 +243,12 @@ def test_an_actor_killed_mid_turn_is_host_lost_and_the_next_turn_resumes(
         first_copy, lost, scratch = s.cwd, s.place.actor, Path(s.place.where["scratch"])
         assert "notes.txt" in s.place.patch  # the work so far is here, not only on the node
 
-        def kill() -> None:
+        def kill_mid_turn() -> None:
             wait_for_request(loopback, tag)
             time.sleep(0.3)
             cluster["ray"].kill(lost, no_restart=True)
 
-        threading.Thread(target=kill, daemon=True).start()
+        threading.Thread(target=kill_mid_turn, daemon=True).start()
         with pytest.raises(shoal.HostLost, match="died"):
             s.run(f"{tag}\n#! run sleep 20")
         assert leftovers(agent.id, settle=10) == []  # the reaper took the dead actor's CLI with it
@@ -253,6 +262,10 @@ def test_an_actor_killed_mid_turn_is_host_lost_and_the_next_turn_resumes(
         assert any(isinstance(e, shoal.Notice) and e.kind == "host" for e in r.events)
         assert s.cwd != first_copy and s.place.moves == 1
         assert not (source / "notes.txt").exists()
+        kill(cluster["ray"], s.place.actor)  # lost between turns: the next turn just moves
+        r = s.run("#! recall")
+        assert "heron" in r.text and s.place.moves == 2
+        assert any(isinstance(e, shoal.Notice) and e.kind == "host" for e in r.events)
         notes = agent.close()
     assert any("kept as a patch" in n for n in notes)
     assert leftovers(agent.id) == []
@@ -265,7 +278,7 @@ def test_a_node_without_the_conversation_says_why(cluster: dict[str, Any], workd
         # as if the fresh actor landed on a machine that does not share the agent's home
         marks = agent.settings.home / ".shoal-hosts"
         shutil.rmtree(marks)
-        cluster["ray"].kill(s.place.actor, no_restart=True)
+        kill(cluster["ray"], s.place.actor)
         with pytest.raises(shoal.HostLost, match="cannot resume"):
             s.run("#! recall")
         r = s.run("#! recall")  # a new conversation in the same place

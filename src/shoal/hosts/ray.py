@@ -171,16 +171,16 @@ class RayBackend:
         node = self._node(conv)
         for notice in await node.ready(conv):
             yield notice
-        try:
-            await node.call(node.actor.start.remote(prompt))
-        except HostLost:
-            # lost between turns (found only now): nothing of this turn ran yet, so it moves at once
-            for notice in await node.ready(conv):
-                yield notice
-            await node.call(node.actor.start.remote(prompt))
-        actor = node.actor
         done = False
         try:
+            try:
+                await node.call(node.actor.start.remote(prompt))
+            except HostLost:
+                # lost between turns (found only now): nothing of this turn ran yet, so it moves at once
+                for notice in await node.ready(conv):
+                    yield notice
+                await node.call(node.actor.start.remote(prompt))
+            actor = node.actor
             while not done:
                 for item in await node.call(actor.next.remote(POLL_WAIT)):
                     if isinstance(item, Finished):
@@ -197,6 +197,9 @@ class RayBackend:
                     if isinstance(item, Started):
                         conv.session_id = item.session_id
                     yield item  # type: ignore[misc]
+        except HostLost as exc:
+            exc.session_id = exc.session_id or conv.session_id  # the conversation the next turn resumes
+            raise
         finally:
             if not done:  # cancelled, timed out, given up on: stop the CLI over there, and wait for it
                 await node.stop_turn()

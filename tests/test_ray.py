@@ -312,6 +312,17 @@ def test_copies_and_worktrees_come_back_as_patches_and_branches(cluster: dict[st
     assert leftovers(agent.id) == []
 
 
+def test_a_push_that_fails_keeps_the_work(cluster: dict[str, Any], tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
+    with hosted(cluster, push=str(tmp_path / "no-such-remote.git")) as agent:
+        s = agent.session(where=shoal.Worktree(repo, task="unpushed"))
+        s.run("#! write work.txt not lost")
+        note = s.close() or ""
+    assert "could not push" in note and "kept worktree" in note and "kept as a patch" in note
+    assert s.place.saved is not None and "work.txt" in s.place.saved.read_text()
+    assert leftovers(agent.id) == []
+
+
 def test_no_actor_outlives_its_agent(cluster: dict[str, Any], tmp_path: Path) -> None:
     ray = cluster["ray"]
     agent = hosted(cluster, strategy="SPREAD")

@@ -243,15 +243,18 @@ class SessionHost:
 
     async def close(self, push: str | None, branch: str, message: str) -> dict[str, Any]:
         """Give the place back: its last patch, the branch pushed (if asked), the place's note."""
-        out: dict[str, Any] = {"patch": None, "pushed": None, "note": None}
+        out: dict[str, Any] = {"patch": None, "pushed": None, "note": None, "push_failed": None}
         if self.place is None or self.conv is None:
             return out
         if self.snapshots is not None:
             out["patch"] = await asyncio.to_thread(self.snapshots.patch)
         if push and self.place.kind in SNAPSHOT_KINDS:
             branch = str(getattr(self.place, "branch", None) or branch)  # a worktree's own shoal/<task>
-            commit = await asyncio.to_thread(push_branch, self.conv.cwd, push, branch, message)
-            out["pushed"] = f"{branch} at {commit[:12]} to {push}"
+            try:
+                commit = await asyncio.to_thread(push_branch, self.conv.cwd, push, branch, message)
+                out["pushed"] = f"{branch} at {commit[:12]} to {push}"
+            except Exception as exc:  # the place is still given back by its own rules (kept: it holds work)
+                out["push_failed"] = str(exc)
         out["note"] = await self.place.close()
         self.place = None
         return out

@@ -102,6 +102,8 @@ class OnNode:
                 self.pushed = got["pushed"]
                 if got["pushed"]:
                     notes.append(f"pushed branch {got['pushed']}")
+                if got["push_failed"]:
+                    notes.append(f"could not push its branch: {got['push_failed']}")
                 if got["note"]:
                     notes.append(f"on node {self.where.get('ip')} ({self.where.get('hostname')}): {got['note']}")
         else:

@@ -16,12 +16,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 import shoal
 from conftest import leftovers, stray
+from shoal.backends import opencode_fleet
 from shoal.backends.base import Conversation, Settings
 from shoal.backends.opencode import OpenCode
 from shoal.backends.opencode_server import Server, check_bind
@@ -203,6 +205,20 @@ def test_an_ask_left_in_a_raw_config_is_refused_not_waited_on(tmp_path: Path) ->
     assert any(isinstance(e, Notice) and e.kind == "refused" and "external_directory" in e.message
                for e in r.events)
     assert any(isinstance(e, ToolFinished) and not e.ok and "rejected" in e.output for e in r.events)
+
+
+def test_a_missed_idle_is_caught_by_asking_the_server(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(opencode_fleet, "SILENCE", 1.0)
+    hear = Server._dispatch
+
+    def deaf(self: Server, msg: dict[str, Any]) -> None:  # the end of every turn goes unheard
+        if (msg.get("payload") or msg).get("type") not in ("session.idle", "session.status"):
+            hear(self, msg)
+
+    monkeypatch.setattr(Server, "_dispatch", deaf)
+    with shoal.Agent("opencode") as agent:
+        r = agent.session(where=workdir).run("#! run echo heard\n#! say fin", timeout=60)
+    assert r.text == "fin" and any(isinstance(e, ToolFinished) and "heard" in e.output for e in r.events)
 
 
 def test_run_transport_retries_a_locked_database(workdir: Path) -> None:

@@ -37,8 +37,11 @@ class ServerTurn:
     def __init__(self) -> None:
         self.done = False
         self.busy = False  # an idle counts only after the session was seen busy with this turn
+        self.answering = False  # the turn's answer (an assistant message) exists
+        self._idle = False
         self.error: dict[str, Any] | None = None
         self._users: set[str] = set()  # the prompt's own message: its text is not an answer
+        self._others: set[str] = set()  # answers to earlier prompts: theirs, not this turn's
         self._seen: set[str] = set()
 
     def feed(self, payload: dict[str, Any]) -> list[Event]:
@@ -50,27 +53,35 @@ class ServerTurn:
             info = props.get("info") or {}
             if info.get("role") == "user":
                 self._users.add(str(info.get("id")))
+            elif info.get("role") == "assistant" and info.get("parentID") in self._users:
+                self.answering = True
+            elif info.get("role") == "assistant":
+                self._others.add(str(info.get("id")))  # an earlier turn's, updated late (an abort)
         elif kind == "session.status":
             status = (props.get("status") or {}).get("type")
             self.busy = self.busy or status in ("busy", "retry")
-            self.done = self.done or (status == "idle" and self.busy)
+            self._idle = self._idle or (status == "idle" and self.busy)
         elif kind == "session.idle":
-            self.done = self.done or self.busy
+            self._idle = self._idle or self.busy
         elif kind == "session.error":
             error = props.get("error") or {}
             if error.get("name") != "MessageAbortedError":  # our own abort is not the turn's failure
                 self.error = error
-        elif kind == "permission.asked":
+        # Idle with neither an answer nor an error is not an end yet: opencode can report a
+        # broken loop as idle first and its error just after.
+        self.done = self.done or (self._idle and (self.answering or self.error is not None))
+        if kind == "permission.asked":
             what = f"{props.get('permission')} {' '.join(props.get('patterns') or [])}".strip()
             return [Notice("refused", f"opencode asked permission for {what}; refused, as nothing may wait "
                                       "for a human in a headless run (allow it in the agent's permissions)")]
-        elif kind == "question.asked":
+        if kind == "question.asked":
             return [Notice("refused", "opencode's question tool asked the user something; refused, as "
                                       "nothing may wait for a human in a headless run")]
         return []
 
     def part(self, part: dict[str, Any]) -> list[Event]:
-        if str(part.get("messageID")) in self._users:
+        message = str(part.get("messageID"))
+        if message in self._users or message in self._others:
             return []
         kind, pid = part.get("type"), str(part.get("id"))
         if kind == "text" and (part.get("time") or {}).get("end") and part.get("text") and self._once(pid):

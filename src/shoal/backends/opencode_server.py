@@ -19,7 +19,6 @@ import json
 import re
 import secrets
 import socket
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -75,7 +74,6 @@ class Server:
         self.dead = False
         self.ended = ""  # why this server is (to be) replaced, for the Notice
         self.turns = 0  # turns in flight (kept by ServerPool)
-        self.dirs: Counter[str] = Counter()  # open sessions per directory, to let go of unused ones
         self._connected = asyncio.Event()
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()

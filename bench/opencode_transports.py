@@ -4,7 +4,7 @@
 
 For 1, 4 and 8 sessions (each in its own directory, against the loopback model) it runs
 ROUNDS rounds of one turn per session at once (write a file, run a command, answer) and
-prints the median turn latency and the peak memory of all the agent's processes, then the
+prints the median turn latency and the peak memory (PSS) of all the agent's processes, then the
 ratios run/serve. Everything is measured in this one run; the first round includes the
 server's cold start (and the run transport's cold database), as a first turn would.
 """
@@ -25,19 +25,21 @@ from shoal.procs import tagged_pids
 SIZES = (1, 4, 8)
 
 
-def rss_of(pids: list[int]) -> int:
+def pss_of(pids: list[int]) -> int:
+    """Summed proportional set size: a tool's process forked from a 1 GB server shares its pages,
+    and summing RSS would count them twice."""
     total = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/status") as f:
-                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")), 0)
         except OSError:
             continue
     return total
 
 
 class PeakMemory:
-    """Samples the summed RSS of every process carrying the agent's tag, every 50 ms."""
+    """Samples the summed PSS of every process carrying the agent's tag, every 50 ms."""
 
     def __init__(self, agent_id: str) -> None:
         self.needle, self.peak = f"SHOAL_AGENT={agent_id}", 0
@@ -46,7 +48,7 @@ class PeakMemory:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, rss_of(tagged_pids(self.needle)))
+            self.peak = max(self.peak, pss_of(tagged_pids(self.needle)))
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()

@@ -125,6 +125,25 @@ def test_shoal_opencode_serve_prints_how_to_attach(tmp_path: Path, loopback: Loo
     assert listeners(port) == []
 
 
+HOLDER = """
+import shoal, sys, time
+agent = shoal.Agent("opencode")
+agent.session(where=sys.argv[1]).run("#! say held")
+print(agent.id, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_shoal_leaves_no_server_behind(workdir: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(workdir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    agent_id = proc.stdout.readline().strip()
+    assert agent_id and shoal.procs.tagged_pids(f"SHOAL_AGENT={agent_id}")  # its server runs
+    proc.kill()  # nothing of shoal runs to stop it: the kernel has to
+    proc.wait(timeout=30)
+    assert leftovers(agent_id, settle=10) == []
+
+
 def test_cancel_aborts_the_turn_and_the_server_keeps_serving(workdir: Path, loopback: LoopbackModel) -> None:
     tag = f"abort-{time.time_ns()}"
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+PR_SET_PDEATHSIG = 1
 STDOUT_LIMIT = 64 * 1024 * 1024  # one JSON event can carry a whole file's tool output
 TAG = "SHOAL_PROC"
 _live: set[Proc] = set()  # every process not yet reaped, for the last-resort stop at exit
@@ -49,6 +51,20 @@ def tagged_pids(needle: str) -> list[int]:
     return found
 
 
+def _dies_with(parent: int) -> Callable[[], None]:
+    """For a child, before exec: be killed when the thread that started it goes (Linux's
+    PR_SET_PDEATHSIG; shoal starts processes from its own loop thread, which lives as long as
+    shoal does). prctl is looked up here, in the parent: the child only calls it."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # shoal died before the line above: nothing will signal us
+            os._exit(1)
+
+    return arm
+
+
 class Proc:
     """One running CLI process, its output streams and its whole family of descendants."""
 
@@ -63,8 +79,10 @@ class Proc:
 
     @classmethod
     async def spawn(
-        cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False
+        cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False, held: bool = False
     ) -> Proc:
+        """`held`: a process kept between turns (a server), which must not outlive shoal even
+        when shoal is killed outright and nothing of it runs to stop it."""
         tag = uuid.uuid4().hex
         creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv,
@@ -75,6 +93,7 @@ class Proc:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
             limit=STDOUT_LIMIT,
+            preexec_fn=_dies_with(os.getpid()) if held else None,
         ))
         try:
             return cls(await asyncio.shield(creating), tag, argv)

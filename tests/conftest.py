@@ -27,7 +27,7 @@ def available_backends() -> list[str]:
 
 
 # A backend's other transports run the suite too, as "name:transport"; plain "name" is its default.
-OTHER_TRANSPORTS: dict[str, list[str]] = {"opencode": ["run"]}
+OTHER_TRANSPORTS: dict[str, list[str]] = {"opencode": ["run"], "claude": ["run"], "codex": ["run"]}
 BACKENDS = available_backends()
 BACKENDS += [f"{name}:{t}" for name in list(BACKENDS) for t in OTHER_TRANSPORTS.get(name, [])]
 

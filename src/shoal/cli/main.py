@@ -7,7 +7,7 @@ import importlib
 import signal
 import sys
 
-COMMANDS = ("batch", "demo", "loopback", "opencode", "places", "run", "trace", "watch")
+COMMANDS = ("batch", "bench", "demo", "loopback", "opencode", "places", "run", "trace", "watch")
 
 
 def parser() -> argparse.ArgumentParser:

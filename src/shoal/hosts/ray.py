@@ -34,6 +34,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -111,11 +112,21 @@ def connect(host: Ray) -> Any:
     import ray
 
     with _connect_lock:
-        if not ray.is_initialized():
+        # Ray Client starts a server process per connection, which on a busy machine can miss
+        # the client's own deadline: a ray:// address gets a few tries before it is an error.
+        tries = 3 if str(host.address).startswith("ray://") else 1
+        for attempt in range(tries):
+            if ray.is_initialized():
+                break
             try:
                 ray.init(address=host.address, namespace=host.namespace, log_to_driver=False,
                          logging_level=logging.WARNING)
             except ConnectionError as exc:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                if attempt + 1 < tries:
+                    time.sleep(2.0 * (attempt + 1))
+                    continue
                 raise HostError(f"cannot reach the Ray cluster at {host.address!r}: {exc}. Start one "
                                 f"(`ray start --head`) or pass its address: shoal.Ray(address=...)") from None
     return ray

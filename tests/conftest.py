@@ -57,6 +57,16 @@ def workdir(tmp_path: Path) -> Path:
     return d
 
 
+def wait_for_request(loopback: LoopbackModel, marker: str, timeout: float = 60) -> None:
+    """Block until the loopback model has seen a request whose prompt holds `marker`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(marker in r.prompt for r in list(loopback.requests)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no request with {marker!r} reached the loopback model")
+
+
 def leftovers(agent_id: str, settle: float = 3.0) -> list[str]:
     """Processes still carrying this agent's tag (pid and command line), after a moment to exit."""
     deadline = time.monotonic() + settle

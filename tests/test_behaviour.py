@@ -17,19 +17,9 @@ from pathlib import Path
 import pytest
 
 import shoal
-from conftest import leftovers, make_agent, stray
+from conftest import leftovers, make_agent, stray, wait_for_request
 from shoal.loopback import INPUT_TOKENS, OUTPUT_TOKENS, LoopbackModel
 from shoal.prices import PRICES
-
-
-def wait_for_request(loopback: LoopbackModel, marker: str, timeout: float = 60) -> None:
-    """Block until the loopback model has seen a request whose prompt holds `marker`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(marker in r.prompt for r in list(loopback.requests)):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no request with {marker!r} reached the loopback model")
 
 
 def requests_with(loopback: LoopbackModel, marker: str) -> list[shoal.loopback.Request]:

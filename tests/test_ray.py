@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 import shoal
-from conftest import leftovers, stray
+from conftest import leftovers, stray, wait_for_request
 from shoal.loopback import LoopbackModel
 
 HEAD_IP, NODE2_IP = "127.0.0.2", "127.0.0.3"
@@ -73,15 +73,6 @@ def cluster() -> Iterator[dict[str, Any]]:
 def hosted(cluster: dict[str, Any], **host: Any) -> shoal.Agent:
     host.setdefault("num_cpus", 0.25)  # a codex turn is light; four sessions fit on a 2-CPU node
     return shoal.Agent(BACKEND, hosts=shoal.Ray(address=cluster["address"], **host))
-
-
-def wait_for_request(loopback: LoopbackModel, marker: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(marker in r.prompt for r in list(loopback.requests)):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no request with {marker!r} reached the loopback model")
 
 
 def kill(ray: Any, actor: Any) -> None:

@@ -181,3 +181,26 @@ def test_shoal_batch_bad_input(tmp_path: Path) -> None:
     assert out.returncode != 0 and ("not a git repository" in out.stderr or "not available" in out.stderr)
     out = shoal_cli("batch", str(prompts), "--check", "no-such-checker", cwd=tmp_path)
     assert out.returncode != 0 and "not found on PATH" in out.stderr
+
+
+def test_shoal_batch_command_with_a_worktree_apiece(tmp_path: Path, runs: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    (repo / "app.py").write_text("VALUE = 1\n")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"task": f"fix-{i}", "prompt": f"#! write app.py VALUE = {i + 2}"})
+                                 for i in range(2)))
+    out = shoal_cli("batch", str(prompts), "--worktrees", str(repo), "--check", "grep -q VALUE app.py", cwd=tmp_path,
+                    env={"SHOAL_HOME": str(tmp_path / "state")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 passed, 0 failed" in out.stdout
+    assert "shoal/fix-0" in out.stdout and "shoal/fix-1" in out.stdout  # branches named after the tasks
+    assert "1 file changed" in out.stdout  # the diff stat for review
+    for i in range(2):  # the work stays on its branch's worktree, kept and said so
+        kept = repo / ".shoal" / "worktrees" / f"fix-{i}" / "app.py"
+        assert kept.read_text().strip() == f"VALUE = {i + 2}"
+    assert "kept worktree" in out.stdout

@@ -125,7 +125,8 @@ class Copy:
         return dest
 
     def changes(self) -> list[str]:
-        return changed_files(self.source, self.path) if self.path else []
+        # a copy given back (removed: it held nothing) has no changes, not every file missing
+        return changed_files(self.source, self.path) if self.path and self.path.exists() else []
 
     def env(self) -> dict[str, str]:
         return {}

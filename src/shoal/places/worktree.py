@@ -24,6 +24,7 @@ import fcntl
 import os
 import re
 import shutil
+import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -153,6 +154,7 @@ class Worktree:
         self.common: Path | None = None
         self.path: Path | None = None
         self.branch: str | None = None
+        self.base_commit: str | None = None
 
     def check(self) -> None:
         if not self.repo_arg.is_dir():
@@ -196,7 +198,7 @@ class Worktree:
                 await git(top, "worktree", "prune", check=False)
                 await git(top, "branch", "-D", branch, check=False)
                 raise
-        self.path, self.branch = path, branch
+        self.path, self.branch, self.base_commit = path, branch, commit
         registry.add(self.id, self.kind, path, repo=str(top), branch=branch, base=commit)
         return path
 
@@ -228,6 +230,22 @@ class Worktree:
         registry.remove(self.id)
         self.path = None
         return None
+
+    def diffstat(self) -> str:
+        """What the branch holds against where it started, for review: `git diff --shortstat`
+        of the worktree (commits and uncommitted edits) plus untracked files."""
+        if self.path is None or not self.path.exists():
+            return ""
+
+        def run(*args: str) -> str:
+            out = subprocess.run(["git", "-C", str(self.path), *args], capture_output=True, text=True, timeout=60)
+            return out.stdout.strip()
+        stat = run("diff", "--shortstat", self.base_commit or self.base)
+        untracked = [f for f in run("ls-files", "--others", "--exclude-standard").splitlines() if f]
+        parts = [stat] if stat else []
+        if untracked:
+            parts.append(f"{len(untracked)} untracked ({', '.join(untracked[:3])})")
+        return "; ".join(parts)
 
     def describe(self) -> str:
         return f"worktree {self.path} ({self.branch})" if self.path else f"worktree of {self.repo_arg} ({self.task})"

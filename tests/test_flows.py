@@ -242,6 +242,7 @@ def test_trace_prints_the_tree_and_exports_perfetto(tmp_path: Path, runs: Path, 
                                                                           "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr
     assert "flow fanout" in out.stdout and out.stdout.count("flow leaf") == 3 and out.stdout.count("turn 1") == 12
+    assert out.stdout.count("log logs/opencode.db") == 12  # every session links the agent's kept database
     data = json.loads((tmp_path / "t.json").read_text())
     evs = data["traceEvents"]
     assert all({"ph", "pid", "tid", "name"} <= set(e) for e in evs)
@@ -299,3 +300,49 @@ def test_load_by_file_package_and_module(tmp_path: Path, runs: Path, monkeypatch
     assert shoal.run(shoal.load(tmp_path / "good.py"), "a") == "hi a"
     assert shoal.run(shoal.load(str(pkg)), "b") == "pkg b"
     assert shoal.run("good:hello", "c") == "hi c"
+
+
+@shoal.flow
+async def two_talks(agent: shoal.Agent, where: Path) -> list[tuple[str, bool, bool]]:
+    """Two sessions, a turn each; what the run's record links to while they are still open."""
+    talks = [agent.session(where=where, name=f"talk{i}") for i in range(2)]
+    await asyncio.gather(*(s.arun(f"#! say remembered-{i}") for i, s in enumerate(talks)))
+    branch = shoal.current()
+    assert branch is not None
+    live = journal.read(branch.run_dir).all_sessions()
+    return [(str(n.log), n.log is not None and n.log.is_symlink(), n.log is not None and n.log.exists())
+            for n in sorted(live, key=lambda n: n.name)]
+
+
+@pytest.mark.parametrize("name", [b for b in BACKENDS if ":" not in b])
+def test_session_record_links_the_backends_own_log_kept_after_the_agent_closes(
+        name: str, runs: Path, workdir: Path) -> None:
+    with shoal.Agent(name) as agent:
+        live = shoal.run(two_talks, agent, workdir)
+        home = agent.settings.home
+    assert not home.exists()  # the agent's private home went with it...
+    # ...while the run is on, the record links the CLI's live file in that home
+    assert all(is_link and exists for _, is_link, exists in live), live
+    run = journal.read(base=runs)
+    nodes = sorted(run.all_sessions(), key=lambda n: n.name)
+    assert [str(n.log) for n in nodes] == [path for path, _, _ in live]
+    for i, node in enumerate(nodes):
+        # ...and after it, a copy in the run's own directory that still opens
+        assert node.log is not None and node.log.parent == run.dir / "logs"
+        assert node.log.is_file() and not node.log.is_symlink()
+        if name == "opencode":  # one database for all of an agent's sessions: opencode reads the copy
+            out = subprocess.run(
+                [str(Path(shoal.__file__).parents[2] / "node_modules/.bin/opencode"), "export", node.backend_session],
+                capture_output=True, text=True, timeout=120, cwd=workdir,
+                env={**os.environ, "OPENCODE_DB": str(node.log), "HOME": str(runs / "h"),
+                     "XDG_DATA_HOME": str(runs / "h")})
+            assert out.returncode == 0, out.stderr
+            text = out.stdout
+        else:
+            text = node.log.read_text()
+        assert node.backend_session in text
+        assert f"remembered-{i}" in text and f"remembered-{1 - i}" not in text
+    if name == "opencode":
+        assert nodes[0].log == nodes[1].log  # kept once, not once per session
+    else:
+        assert nodes[0].log != nodes[1].log

@@ -29,7 +29,7 @@ from typing import Any
 
 from shoal import scope
 from shoal.errors import BudgetExceeded, FlowDepthExceeded, FlowError
-from shoal.journal import Journal
+from shoal.journal import Journal, KeptLog
 from shoal.reply import Usage
 
 MAX_DEPTH = 64
@@ -105,6 +105,9 @@ class Branch:
                         f"(charged by {' > '.join(self.chain)})",
                         kind=kind, flow=b.flow, limit=float(limit), spent=float(spent),
                     )
+
+    def keep_log(self, source: Path) -> KeptLog:
+        return self.run.journal.keep_log(source)
 
     def charge(self, usage: Usage) -> None:
         with self.run.lock:

@@ -10,8 +10,12 @@ the tree.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import shutil
+import sqlite3
 import threading
 import time
 import uuid
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("shoal")
 
 
 def runs_dir(base: Path | None = None) -> Path:
@@ -39,6 +45,8 @@ class Journal:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "journal.jsonl"
         self._lock = threading.Lock()
+        self._kept: dict[Path, KeptLog] = {}
+        self._names: set[str] = set()
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
 
     def write(self, kind: str, **fields: Any) -> None:
@@ -52,6 +60,81 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+    # --- the backends' own logs, kept with the run ------------------------------------------
+
+    def keep_log(self, source: Path) -> KeptLog:
+        """Link a backend's own log into `logs/` now; `settle()` replaces the link with a copy.
+
+        The CLI's own record lives in the agent's private home, which goes when the agent
+        closes; the run keeps a copy so the journal's link still opens afterwards. While the
+        session runs the link is a symlink to the live file (`tail -f` works on it).
+        """
+        source = source.absolute()
+        with self._lock:
+            kept = self._kept.get(source)
+            if kept is None:
+                name, n = source.name, 1
+                while name in self._names:
+                    n += 1
+                    name = f"{n}-{source.name}"
+                self._names.add(name)
+                kept = self._kept[source] = KeptLog(self.dir, f"logs/{name}", source)
+            kept.holders += 1
+        kept.link_live()
+        return kept
+
+
+class KeptLog:
+    """One backend log kept in a run's `logs/`; shared by the sessions that write to it."""
+
+    def __init__(self, run_dir: Path, link: str, source: Path) -> None:
+        self.link, self.source, self.path = link, source, run_dir / link
+        self.holders = 0
+        self._lock = threading.Lock()
+
+    def link_live(self) -> None:
+        with self._lock:
+            self.path.parent.mkdir(exist_ok=True)
+            if not self.path.is_symlink():
+                tmp = self.path.with_name(f".{self.path.name}.link")
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                tmp.symlink_to(self.source)  # may not exist yet: the CLI writes it on its first turn
+                os.replace(tmp, self.path)
+
+    def settle(self) -> None:
+        """One holder is done; the last one swaps the link for a copy of the file as it is now."""
+        with self._lock:
+            self.holders -= 1
+            if self.holders > 0 or not self.path.is_symlink():
+                return
+            if not self.source.exists():
+                log.warning("%s was never written; %s is left pointing at it", self.source, self.path)
+                return
+            tmp = self.path.with_name(f".{self.path.name}.copy")
+            try:
+                if self.source.suffix in (".db", ".sqlite"):
+                    _copy_sqlite(self.source, tmp)  # a consistent snapshot, write-ahead log included
+                else:
+                    shutil.copyfile(self.source, tmp)
+                os.replace(tmp, self.path)
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("could not keep %s in the run (%s); %s still points at it", self.source, exc, self.path)
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+
+def _copy_sqlite(source: Path, dest: Path) -> None:
+    src = sqlite3.connect(source, timeout=30)
+    try:
+        dst = sqlite3.connect(dest)
+        try:
+            src.backup(dst)
+        finally:
+            dst.close()
+    finally:
+        src.close()
 
 
 # --- reading back ------------------------------------------------------------------------------
@@ -84,6 +167,7 @@ class SessionNode:
     model: str = ""
     place: str = ""
     backend_session: str = ""
+    log: Path | None = None  # the backend's own record of it, kept in the run's `logs/`
     turns: list[Turn] = field(default_factory=list)
 
     @property
@@ -221,6 +305,10 @@ def read(ref: str | Path | None = None, base: Path | None = None) -> Run:
             node = _session(r["session"], sessions, owner, calls, run)
             for key in ("name", "agent", "backend", "model", "place", "backend_session"):
                 setattr(node, key, r.get(key) or "")
+            if r.get("log"):
+                node.log = d / r["log"]
+        elif kind == "session.log":  # a log the backend made only after the session opened
+            _session(r["session"], sessions, owner, calls, run).log = d / r["log"]
         elif kind == "turn.began":
             node = _session(r["session"], sessions, owner, calls, run)
             turn = Turn(r["session"], r["turn"], r.get("prompt", ""), r["t"])

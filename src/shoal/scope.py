@@ -9,9 +9,20 @@ knows what a flow is; this module is the whole of what the two share.
 from __future__ import annotations
 
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.reply import Usage
+
+
+class Kept(Protocol):
+    """A backend's own log, kept with the record: `link` names it there."""
+
+    link: str
+
+    def settle(self) -> None:
+        """The session is over: keep the log as it is now (it may go with the agent's home)."""
+        ...
 
 
 class Scope(Protocol):
@@ -29,6 +40,10 @@ class Scope(Protocol):
 
     def charge(self, usage: Usage) -> None:
         """Count a finished turn's usage here and above; raise if that exceeded a budget."""
+        ...
+
+    def keep_log(self, source: Path) -> Kept | None:
+        """The backend keeps its own record of a session at `source`: keep it with this one."""
         ...
 
 

@@ -24,7 +24,7 @@ from shoal.places.base import Place
 from shoal.prices import priced
 from shoal.reply import Event, Notice, Reply, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
 from shoal.runtime import runtime
-from shoal.scope import current_scope
+from shoal.scope import Kept, Scope, current_scope
 
 if TYPE_CHECKING:
     Sink = Callable[[Event], None]
@@ -78,6 +78,7 @@ class Session:
         self._queue: _Turns | None = None
         self._running: set[asyncio.Task[object]] = set()
         self.closed = False
+        self._log: Kept | None = None  # the backend's own log, kept with the run that journals this session
         self.on_event: Callable[[Session, Event], None] | None = None
 
     @property
@@ -177,6 +178,8 @@ class Session:
                  error=f"{type(exc).__name__}: {exc}"[:2000], seconds=time.monotonic() - started,
                  usage=asdict(priced(self.backend.settings.model, usage)))
             raise
+        if scope is not None and self._log is None:
+            self._keep_log(scope, "session.log")  # a backend that writes its log only once a turn ran
         usage = priced(self.backend.settings.model, usage)
         self.usage += usage
         reply = Reply(
@@ -194,12 +197,25 @@ class Session:
             scope.charge(usage)  # may raise BudgetExceeded: the turn is done, the budget is not
         return reply
 
+    def _keep_log(self, scope: Scope, kind: str | None) -> str | None:
+        """Link the backend's own log of this conversation into the run's record (once)."""
+        assert self._conv is not None
+        source = self.backend.log(self._conv)
+        if source is None:
+            return None
+        self._log = scope.keep_log(source)
+        if self._log is not None and kind is not None:
+            scope.record(kind, session=self.id, log=self._log.link, source=str(source))
+        return self._log.link if self._log is not None else None
+
     def _note_event(self, note: Callable[..., None], turn: int, ev: Event) -> None:
         if isinstance(ev, Started):
             settings = self.backend.settings
+            scope = current_scope()
+            link = self._keep_log(scope, None) if scope is not None and self._log is None else None
             note("session.opened", session=self.id, name=self.name, agent=settings.agent_id,
                  backend=self.backend.name, model=settings.model, place=self.place.describe(),
-                 cwd=self.cwd, backend_session=ev.session_id, transport=settings.transport)
+                 cwd=self.cwd, backend_session=ev.session_id, transport=settings.transport, log=link)
         elif isinstance(ev, ToolStarted):
             note("tool.started", session=self.id, turn=turn, tool_call=ev.call_id, tool=ev.tool,
                  input=_short(ev.input))
@@ -219,7 +235,12 @@ class Session:
             await asyncio.wait(list(self._running), timeout=30)
         if self._conv is None:
             return None
-        await self.backend.end(self._conv)
+        try:
+            await self.backend.end(self._conv)  # the CLI has finished writing its log after this
+        finally:
+            kept, self._log = self._log, None  # once: a log shared by sessions is copied after the last
+            if kept is not None:
+                await asyncio.to_thread(kept.settle)
         return await self.place.close()
 
 

@@ -68,6 +68,10 @@ class Backend(Protocol):
         """Run one turn; yield its events; raise `TurnFailed` (or a subclass) if it fails."""
         ...
 
+    def log(self, conv: Conversation) -> Path | None:
+        """Where the CLI keeps its own record of this conversation, here; None if not (yet) known."""
+        ...
+
     async def end(self, conv: Conversation) -> None:
         """The session is over: stop whatever is held open for it."""
         ...

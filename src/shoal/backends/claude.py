@@ -21,6 +21,7 @@ import os
 import re
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
@@ -275,6 +276,15 @@ class Claude:
         return self._version
 
     # --- the session's and the agent's end ---------------------------------------------------
+
+    def log(self, conv: Conversation) -> Path | None:
+        """`$HOME/.claude/projects/<cwd, every other character a dash>/<session id>.jsonl`."""
+        if conv.session_id is None:
+            return None
+        projects = self.settings.home / ".claude" / "projects"
+        # claude shortens very long directory names; the id alone then finds the file
+        found = next(projects.glob(f"*/{conv.session_id}.jsonl"), None)
+        return found or projects / re.sub(r"[^A-Za-z0-9]", "-", str(conv.cwd)) / f"{conv.session_id}.jsonl"
 
     async def end(self, conv: Conversation) -> None:
         proc: Proc | None = conv.state.get("proc")

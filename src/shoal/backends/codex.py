@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
@@ -244,6 +245,12 @@ class Codex:
         conv.state["codex_total"] = total
         yield StepUsage(Usage(total.input_tokens - before.input_tokens, total.output_tokens - before.output_tokens,
                               total.cached_tokens - before.cached_tokens))
+
+    def log(self, conv: Conversation) -> Path | None:
+        """`$CODEX_HOME/sessions/YYYY/MM/DD/rollout-<time>-<thread id>.jsonl`, once codex wrote it."""
+        if conv.session_id is None:
+            return None
+        return next((self.home / "sessions").glob(f"*/*/*/rollout-*-{conv.session_id}.jsonl"), None)
 
     async def end(self, conv: Conversation) -> None:
         if self.transport == "server" and conv.session_id:

@@ -208,6 +208,10 @@ class OpenCode:
             raise BackendCrashed("opencode exited without an answer", backend=self.name, exit_code=code,
                                  stderr_tail=tail, session_id=conv.session_id)
 
+    def log(self, conv: Conversation) -> Path | None:
+        """opencode keeps every session of the agent in one SQLite file (`opencode export <id>` reads it)."""
+        return Path(self.env["OPENCODE_DB"]) if conv.session_id else None
+
     async def end(self, conv: Conversation) -> None:
         if self.server is not None:
             await self.server.end(conv)

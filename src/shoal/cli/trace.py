@@ -31,6 +31,8 @@ def render(run) -> Tree:  # type: ignore[no-untyped-def]
             head = f"session {s.name or s.id} ({s.backend}/{s.model}) @ {s.place}"
             secs = sum(t.seconds for t in s.turns)
             branch = node.add(f"{head}  " + _figures(s.status, secs, s.tokens, s.cost))
+            if s.log is not None:
+                branch.add(f"[dim]log {s.log.relative_to(run.dir) if s.log.is_relative_to(run.dir) else s.log}[/]")
             for t in s.turns:
                 first = (t.prompt.strip().splitlines() or [""])[0][:60]
                 line = f"turn {t.number}  " + _figures(t.status, t.seconds, t.tokens, t.cost) + f"  {first!r}"

@@ -38,6 +38,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shoal import backends
@@ -174,6 +175,9 @@ class RayBackend:
         node = OnNode(self, place)
         self.nodes[node.id] = node
         return node
+
+    def log(self, conv: Conversation) -> Path | None:
+        return None  # it lives on the node that ran the session, not here
 
     def held_pids(self) -> list[int]:
         return [pid for node in self.nodes.values() if node.alive for pid in node.held]

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 import shoal
-from conftest import leftovers
+from conftest import BACKENDS, leftovers, wait_for_request
 from shoal.backends import REGISTRY
+from shoal.loopback import LoopbackModel
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:
@@ -124,3 +127,30 @@ def test_a_turn_needs_no_network_beyond_loopback(workdir: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "fine"
     assert (workdir / "x.txt").read_text().strip() == "offline"
+
+
+WAITER = """
+import shoal, sys
+name, _, transport = sys.argv[1].partition(":")
+agent = shoal.Agent(name, transport=transport or None, base_url=sys.argv[3])
+print(agent.id, flush=True)
+agent.session(where=sys.argv[2]).run(sys.argv[4] + "\\n#! sleep 120\\n#! say late")
+"""
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.endswith(":run")])
+def test_a_killed_shoal_takes_its_per_turn_cli_with_it(backend: str, workdir: Path, loopback: LoopbackModel) -> None:
+    """SIGKILL shoal mid-turn: nothing of it runs to stop the CLI, which would wait on its model
+    (served from here, so still up) for two minutes; the kernel ends it with shoal."""
+    marker = f"orphan-{os.getpid()}-{backend}"
+    proc = subprocess.Popen([sys.executable, "-c", WAITER, backend, str(workdir), loopback.url, marker],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        agent_id = proc.stdout.readline().strip()
+        wait_for_request(loopback, marker)
+        assert shoal.procs.tagged_pids(f"SHOAL_AGENT={agent_id}")  # the CLI is waiting on the model
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert leftovers(agent_id, settle=10) == []

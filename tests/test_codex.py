@@ -107,7 +107,7 @@ def test_sessions_share_one_app_server(tmp_path: Path) -> None:
     replies, wall, tags = asyncio.run(main())
     assert [r.text for r in replies] == [f"s{i}" for i in range(4)]
     assert [(d / "out.txt").read_text().strip() for d in dirs] == ["0", "1", "2", "3"]
-    assert len(tags) == 1  # one app-server (node wrapper + native binary) for all four
+    assert len(tags) == 1  # one app-server for all four
     assert wall < 2.8  # four one-second turns overlapped instead of queueing behind each other
     assert len({r.session_id for r in replies}) == 4
 

@@ -78,11 +78,10 @@ class Proc:
         _live.add(self)
 
     @classmethod
-    async def spawn(
-        cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False, held: bool = False
-    ) -> Proc:
-        """`held`: a process kept between turns (a server), which must not outlive shoal even
-        when shoal is killed outright and nothing of it runs to stop it."""
+    async def spawn(cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False) -> Proc:
+        """Start `argv` in a process group of its own. It dies with shoal even when shoal is
+        killed outright and nothing of it runs to stop it: a server held between turns, and a
+        per-turn CLI too, which would otherwise wait on its model until its turn timed out."""
         tag = uuid.uuid4().hex
         creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv,
@@ -93,7 +92,7 @@ class Proc:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
             limit=STDOUT_LIMIT,
-            preexec_fn=_dies_with(os.getpid()) if held else None,
+            preexec_fn=_dies_with(os.getpid()),
         ))
         try:
             return cls(await asyncio.shield(creating), tag, argv)

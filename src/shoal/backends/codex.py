@@ -80,10 +80,10 @@ class Codex:
                              f"(one process per turn); got {transport!r}")
         self.settings = settings
         self.transport = transport
-        self.cli = find_cli("codex", self.package)
+        self.cli, managed = native(find_cli("codex", self.package))
         self.home = settings.home / "codex"
         self.sandbox = sandbox_mode(settings.permissions)
-        self.env = self._env()
+        self.env = {**self._env(), **managed}
         self.version = ""
         self._ready = False
         self._ready_lock = asyncio.Lock()
@@ -258,6 +258,27 @@ class Codex:
 
     async def aclose(self) -> None:
         await self.server.close()
+
+
+def native(cli: str) -> tuple[str, dict[str, str]]:
+    """The npm package's platform binary behind its `codex.js` launcher, and what the launcher
+    sets for it. On Node < 22.15 the launcher runs the binary as a child instead of exec'ing it,
+    and a child of a child does not die with shoal (PR_SET_PDEATHSIG reaches one generation);
+    it also saves a Node start per turn. Anything else (a binary, an override) is run as given."""
+    launcher = Path(cli).resolve()
+    if launcher.name != "codex.js" or launcher.parent.name != "bin":
+        return cli, {}
+    package = launcher.parent.parent
+    triple = {("x86_64", "Linux"): "x86_64-unknown-linux-musl", ("aarch64", "Linux"): "aarch64-unknown-linux-musl"}
+    target = triple.get((os.uname().machine, os.uname().sysname))
+    if target is None:
+        return cli, {}
+    arch = "x64" if target.startswith("x86_64") else "arm64"
+    for vendor in (package.parent / f"codex-linux-{arch}" / "vendor", package / "vendor"):
+        binary = vendor / target / "bin" / "codex"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return str(binary), {"CODEX_MANAGED_PACKAGE_ROOT": str(package), "CODEX_MANAGED_BY_NPM": "1"}
+    return cli, {}
 
 
 class ServerTurn:

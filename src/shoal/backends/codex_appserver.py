@@ -140,6 +140,9 @@ class AppServer:
                     continue  # stray log output; every protocol message is one JSON object
                 if isinstance(msg, dict):
                     self._dispatch(msg)
+            # its output ended: wait for its exit status, which says how it went (a signal...)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), 2)
         except (ValueError, OSError):
             pass  # a line over the stream limit or a broken pipe: the server is no use any more
         finally:

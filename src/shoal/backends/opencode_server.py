@@ -86,7 +86,7 @@ class Server:
         password = password or env.get("OPENCODE_SERVER_PASSWORD") or secrets.token_urlsafe(24)
         argv = [cli, "serve", "--hostname", host, "--port", str(port if port is not None else free_port()),
                 "--print-logs", "--log-level", "WARN"]
-        proc = await Proc.spawn(argv, cwd=cwd, env={**env, "OPENCODE_SERVER_PASSWORD": password}, held=True)
+        proc = await Proc.spawn(argv, cwd=cwd, env={**env, "OPENCODE_SERVER_PASSWORD": password})
         try:
             async with asyncio.timeout(START_TIMEOUT):
                 while not (m := LISTENING.search(line := (await proc.readline()).decode(errors="replace"))):

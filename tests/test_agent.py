@@ -76,6 +76,8 @@ def test_closing_the_agent_stops_running_turns(workdir: Path) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert leftovers(agent.id, settle=1.0) == []
+        with pytest.raises(shoal.AgentClosed, match="clone"):  # a ShoalError that says what to do
+            agent.session(where=workdir)
 
     asyncio.run(main())
 

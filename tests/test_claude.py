@@ -247,7 +247,7 @@ def test_permissions_map_to_tool_flags(tmp_path: Path) -> None:
     assert args(external_directory="allow")[:2] == ["--permission-mode", "bypassPermissions"]
     assert "--allowedTools=Bash,Bash(git *)" in args(**{"Bash(git *)": "allow"})
     assert "--disallowedTools=Edit,Write,NotebookEdit,WebFetch,WebSearch,AskUserQuestion" in args(edit="deny")
-    with pytest.raises(ValueError, match="transports"):
+    with pytest.raises(shoal.BadSetting, match="transports"):
         Claude(Settings("claude", "loopback", None, tmp_path, "x", transport="server"))
 
 

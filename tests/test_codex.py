@@ -242,7 +242,7 @@ def test_permissions_choose_the_sandbox() -> None:
 
 
 def test_bad_transport_and_model_are_refused_up_front() -> None:
-    with pytest.raises(ValueError, match="transport"):
+    with pytest.raises(shoal.BadSetting, match="transport"):
         shoal.Agent("codex", transport="held")
     with pytest.raises(shoal.BadModel):
         shoal.Agent("codex", model="openai/")

@@ -144,9 +144,9 @@ def test_cost_cap_stops_starting_new_units(workdir: Path) -> None:
 
 def test_bad_input_starts_nothing(workdir: Path) -> None:
     with shoal.Agent(BACKEND) as agent:
-        with pytest.raises(ValueError, match="not found on PATH"):
+        with pytest.raises(shoal.BadSetting, match="not found on PATH"):
             agent.batch(["#! say x"], workdir, check="no-such-checker --all")
-        with pytest.raises(ValueError, match="limit"):
+        with pytest.raises(shoal.BadSetting, match="limit"):
             agent.batch(["#! say x"], workdir, limit=0)
         assert agent.sessions == []
 

@@ -2,8 +2,10 @@
 
 from shoal.agent import Agent
 from shoal.errors import (
+    AgentClosed,
     BackendCrashed,
     BadModel,
+    BadSetting,
     BudgetExceeded,
     CanaryFailed,
     CheckFailed,
@@ -42,8 +44,10 @@ __version__ = "0.1.0"
 __all__ = [
     "SSH",
     "Agent",
+    "AgentClosed",
     "BackendCrashed",
     "BadModel",
+    "BadSetting",
     "Branch",
     "Budget",
     "BudgetExceeded",

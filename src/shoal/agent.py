@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal import backends, fleet
 from shoal.backends.base import DEFAULT_PERMISSIONS, Settings
+from shoal.errors import AgentClosed
 from shoal.fleet import Where
 from shoal.places import Place, as_place
 from shoal.runtime import runtime
@@ -99,7 +100,7 @@ class Agent:
     def session(self, where: Place | str | Path | None = None, *, name: str | None = None) -> Session:
         """A new conversation rooted at `where` (a directory or a Place). Starts nothing."""
         if self.closed:
-            raise RuntimeError(f"agent {self.name} is closed")
+            raise AgentClosed(f"agent {self.name} is closed: open a new one, or clone() it, for more sessions")
         place = as_place(where)
         if self._hosted is not None:
             place = self._hosted.place(place)  # made on the node that hosts the session

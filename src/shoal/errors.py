@@ -17,6 +17,14 @@ class BadModel(ShoalError, ValueError):
     """The model name cannot be used with this backend."""
 
 
+class BadSetting(ShoalError, ValueError):
+    """A setting shoal cannot use (a transport, a permission, a batch option); nothing was started."""
+
+
+class AgentClosed(ShoalError, RuntimeError):
+    """The agent was closed; open a new one (or `clone` it) for more sessions."""
+
+
 class CLINotFound(ShoalError):
     def __init__(self, cli: str, package: str, detail: str = "") -> None:
         self.cli, self.package = cli, package

@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from shoal.errors import BudgetExceeded, CanaryFailed, CheckFailed, NotStarted, ShoalError, Stuck, TurnFailed
+from shoal.errors import (
+    BadSetting,
+    BudgetExceeded,
+    CanaryFailed,
+    CheckFailed,
+    NotStarted,
+    ShoalError,
+    Stuck,
+    TurnFailed,
+)
 from shoal.flows import Flow
 from shoal.places.base import Place
 from shoal.procs import Proc
@@ -94,14 +103,14 @@ def normalise(prompts: Sequence[str | tuple[str, str] | dict[str, str]]) -> list
 def validate(units: list[tuple[str, str]], opts: Options) -> None:
     """Bad input is refused before anything starts."""
     if opts.limit is not None and opts.limit < 1:
-        raise ValueError(f"limit must be at least 1, got {opts.limit}")
+        raise BadSetting(f"limit must be at least 1, got {opts.limit}")
     if opts.check:
         try:
             first = shlex.split(opts.check)[0]
         except (ValueError, IndexError):
-            raise ValueError(f"check command {opts.check!r} cannot be parsed") from None
+            raise BadSetting(f"check command {opts.check!r} cannot be parsed") from None
         if "/" not in first and shutil.which(first) is None and first not in _SHELL_WORDS:
-            raise ValueError(f"check command {first!r} was not found on PATH; nothing was started")
+            raise BadSetting(f"check command {first!r} was not found on PATH; nothing was started")
 
 
 _SHELL_WORDS = {"test", "[", "true", "false", "cd", "exit", "!", "{", "if", "for"}

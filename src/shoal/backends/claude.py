@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
-from shoal.errors import BackendCrashed, ProtocolMismatch, ProviderError, TurnFailed
+from shoal.errors import BackendCrashed, BadSetting, ProtocolMismatch, ProviderError, TurnFailed
 from shoal.procs import Proc
 from shoal.reply import Event, Notice, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
 
@@ -66,7 +66,7 @@ class Claude:
         self.settings = settings
         self.transport = settings.transport or "held"
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"claude transports are {', '.join(TRANSPORTS)}; got {self.transport!r}")
+            raise BadSetting(f"claude transports are {', '.join(TRANSPORTS)}; got {self.transport!r}")
         self.cli = find_cli("claude", self.package)
         self.env = self._env()
         self._held: set[Proc] = set()

@@ -24,7 +24,7 @@ from typing import Any
 
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
 from shoal.backends.codex_appserver import NO_ROLLOUT, ServerTransport
-from shoal.errors import BackendCrashed, BadModel, ProtocolMismatch, ProviderError, TurnFailed
+from shoal.errors import BackendCrashed, BadModel, BadSetting, ProtocolMismatch, ProviderError, TurnFailed
 from shoal.procs import Proc
 from shoal.reply import Event, Notice, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
 
@@ -76,7 +76,7 @@ class Codex:
                            f"or 'loopback' for shoal's local model; got {model!r}")
         transport = settings.transport or "server"
         if transport not in ("server", "run"):
-            raise ValueError(f"codex transports are 'server' (one app-server per agent) and 'run' "
+            raise BadSetting(f"codex transports are 'server' (one app-server per agent) and 'run' "
                              f"(one process per turn); got {transport!r}")
         self.settings = settings
         self.transport = transport

@@ -28,6 +28,7 @@ from shoal.backends.base import Conversation, Settings
 from shoal.backends.opencode import OpenCode
 from shoal.backends.opencode_server import Server, check_bind
 from shoal.loopback import LoopbackModel
+from shoal.places import Here
 from shoal.reply import Notice, ToolFinished
 
 pytestmark = pytest.mark.skipif("opencode" not in shoal.backends.REGISTRY, reason="no opencode backend")
@@ -194,6 +195,114 @@ def test_server_is_recycled_past_its_memory_limit(workdir: Path) -> None:
         assert "kestrel" in r.text
         assert any(isinstance(e, Notice) and e.kind == "restart" and "memory" in e.message for e in r.events)
         assert len(serve_pids(agent)) == 1 and old not in serve_pids(agent)
+    assert leftovers(agent.id) == []
+
+
+class Tagged(Here):
+    """A directory whose sessions ask for extra environment, as a container's or ssh place's
+    shell does: the Place protocol's `env()`, one variable naming the place."""
+
+    def __init__(self, path: Path, tag: str) -> None:
+        super().__init__(path)
+        self.tag = tag
+
+    def env(self) -> dict[str, str]:
+        return {"SHOAL_TEST_PLACE": self.tag}
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def by_place(agent: shoal.Agent) -> dict[str, int]:
+    """The agent's running servers by the SHOAL_TEST_PLACE they were started with ("" for none),
+    read from each process's own environment; every one of them must be held by the backend."""
+    found: dict[str, int] = {}
+    for pid in serve_pids(agent):
+        if not running(pid):
+            continue
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        tag = env.get(b"SHOAL_TEST_PLACE", b"").decode()
+        assert tag not in found, f"two servers for {tag!r}"
+        found[tag] = pid
+    assert sorted(found.values()) == sorted(agent.backend.held_pids())  # type: ignore[attr-defined]
+    assert len(servers(agent)) == len(found)
+    return found
+
+
+def test_a_places_own_server_stops_with_its_last_session(tmp_path: Path) -> None:
+    dirs = {n: tmp_path / n for n in ("a1", "a2", "b", "plain", "plain2")}
+    for d in dirs.values():
+        d.mkdir()
+    with shoal.Agent("opencode") as agent:
+        a1, a2 = agent.session(where=Tagged(dirs["a1"], "alpha")), agent.session(where=Tagged(dirs["a2"], "alpha"))
+        b, plain = agent.session(where=Tagged(dirs["b"], "beta")), agent.session(where=dirs["plain"])
+        unused = agent.session(where=Tagged(dirs["b"], "gamma"))  # no turn: never reaches a server
+
+        async def main() -> list[shoal.Reply]:
+            return await asyncio.gather(*(s.arun(f"#! run echo \"[$SHOAL_TEST_PLACE]\" > tag.txt\n#! say {i}")
+                                          for i, s in enumerate((a1, a2, b, plain))))
+
+        assert [r.text for r in asyncio.run(main())] == ["0", "1", "2", "3"]
+        # each command ran under the server started with its place's environment
+        assert [(dirs[n] / "tag.txt").read_text().strip() for n in ("a1", "a2", "b", "plain")] == \
+            ["[alpha]", "[alpha]", "[beta]", "[]"]
+        pids = by_place(agent)
+        assert set(pids) == {"alpha", "beta", ""} and all(running(p) for p in pids.values())
+
+        unused.close()
+        a1.close()  # a2 is still on alpha's server
+        assert by_place(agent) == pids
+        a2.close()  # the last session on it
+        assert not running(pids["alpha"])
+        assert by_place(agent) == {"beta": pids["beta"], "": pids[""]}
+
+        plain.close()  # the shared server stays for the agent's life...
+        assert running(pids[""]) and by_place(agent) == {"beta": pids["beta"], "": pids[""]}
+        assert agent.session(where=dirs["plain2"]).run("#! say reused").text == "reused"
+        assert by_place(agent) == {"beta": pids["beta"], "": pids[""]}  # ...and the next plain session uses it
+
+        b.close()
+        assert not running(pids["beta"]) and by_place(agent) == {"": pids[""]}
+    assert leftovers(agent.id) == []
+
+
+def test_a_place_server_is_let_go_where_its_session_is_now_and_a_newcomer_gets_one(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    with shoal.Agent("opencode") as agent:
+        s = agent.session(where=Tagged(one, "delta"))
+        s.run("remember: heron\n#! say noted")
+        first = by_place(agent)["delta"]
+        os.kill(first, signal.SIGKILL)
+        r = s.run("#! recall")  # resumed on a fresh server: the session counts there now
+        assert "heron" in r.text and any(isinstance(e, Notice) and e.kind == "restart" for e in r.events)
+        second = by_place(agent)["delta"]
+        assert second != first and running(second)
+
+        newcomer = agent.session(where=Tagged(two, "delta"))
+
+        async def race() -> str:
+            # the session's close stops the server while a new session for the same environment
+            # asks for one: it must get a working server (a fresh one)
+            closing = asyncio.ensure_future(s.aclose())
+            await asyncio.sleep(0)
+            reply = await newcomer.arun("#! run echo \"[$SHOAL_TEST_PLACE]\" > tag.txt\n#! say arrived")
+            await closing
+            return reply.text
+
+        assert asyncio.run(race()) == "arrived"
+        assert (two / "tag.txt").read_text().strip() == "[delta]"
+        third = by_place(agent)["delta"]
+        assert not running(second) and running(third) and third not in (first, second)
+        newcomer.close()
+        assert not running(third) and by_place(agent) == {}
     assert leftovers(agent.id) == []
 
 

@@ -8,6 +8,12 @@ Sessions are created over the HTTP API with their own `directory`; a turn is a
 The server is replaced when it dies or its memory passes `rss_limit` (opencode grows with
 every directory it has seen): the next turn of each session resumes it on a fresh server,
 since sessions live in the agent's own OPENCODE_DB, and says so with a `Notice`.
+
+A place that asks for extra environment (a container's or ssh target's shell) gets a server
+of its own, since a server's environment is fixed when it starts. Such a server is stopped as
+soon as no session is on it and no turn runs on it: a long-lived agent that opens and closes
+container sessions one after another would otherwise keep one idle server (~0.6 GB) per place
+it ever had. The server for no extra environment stays for the agent's life.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class ServerPool:
 
     Started on the first turn; replaced when dead or past `rss_limit`. A replaced server
     that still runs turns is retired: it finishes them and is stopped when the last one ends.
+    A server for a non-empty extra environment is stopped once the last session on it has
+    ended and its last turn is done; the one for no extra environment stays until `close`.
     """
 
     def __init__(self, cli: str, *, env: dict[str, str], cwd: Path, errors: ErrorMapper,
@@ -52,6 +60,9 @@ class ServerPool:
         self._servers: dict[frozenset[tuple[str, str]], Server] = {}
         self._all: set[Server] = set()  # current and retired, until stopped
         self._endings: dict[int, str] = {}  # generation -> why it was replaced
+        # id(conv) -> the server that session is on now (since its first turn, until `end`); a
+        # session resumed on a fresh server after a crash or a recycle counts on the fresh one
+        self._on: dict[int, Server] = {}
         self._generation = 0
         self._lock = asyncio.Lock()
 
@@ -102,7 +113,9 @@ class ServerPool:
     async def turn(self, conv: Any, prompt: str) -> AsyncIterator[Event]:
         for attempt in range(2):
             server = await self._get(conv.env)
-            server.turns += 1  # no await since _get: a server counted busy is never stopped under us
+            # no await since _get: a server counted busy (and used) is never stopped under us
+            server.turns += 1
+            self._on[id(conv)] = server
             accepted: list[bool] = []  # _drive notes here when the server has taken the prompt
             try:
                 async for ev in self._drive(server, conv, prompt, accepted):
@@ -114,9 +127,23 @@ class ServerPool:
                 # gone before it took the prompt (killed a moment ago): start again on a fresh one
             finally:
                 server.turns -= 1
-                if server.turns == 0 and server not in self._servers.values() and server in self._all:
-                    self._all.discard(server)
-                    await server.close()  # retired while this turn ran: it was the last one
+                await self._let_go(server)  # retired while this turn ran, or its session ended meanwhile
+
+    async def _let_go(self, server: Server) -> None:
+        """Stop `server` if nothing needs it any more: retired and its last turn done, or held for
+        an extra environment with no turn running and no session left on it."""
+        if server.turns or server not in self._all:
+            return
+        key = next((k for k, held in self._servers.items() if held is server), None)
+        if key is not None:
+            if not key or any(held is server for held in self._on.values()):
+                return  # the agent's shared server, or one a session is still on
+            # out of the pool before any await: a turn for this environment arriving while it
+            # stops is given a fresh server
+            del self._servers[key]
+            log.debug("opencode server %d: its last session ended; stopping it", server.generation)
+        self._all.discard(server)
+        await server.close()
 
     async def _drive(self, server: Server, conv: Any, prompt: str, accepted: list[bool]) -> AsyncIterator[Event]:
         directory = str(conv.cwd)
@@ -215,13 +242,18 @@ class ServerPool:
             await server.close()
 
     async def end(self, conv: Any) -> None:
-        """The session is over. Nothing to let go: disposing its directory's instance on the server
-        gave no memory back (measured: 1294 MB before, 1295 MB after closing 12 of 24) and races
-        with a new session starting there; recycling is what bounds the server's memory."""
-        return None
+        """The session is over: a server held for its place's own environment goes once no other
+        session is on it (and its turns are done; else the last of them stops it). On the shared
+        server nothing is let go: disposing the session's directory instance gave no memory back
+        (measured: 1294 MB before, 1295 MB after closing 12 of 24) and races with a new session
+        starting there; recycling is what bounds that server's memory."""
+        server = self._on.pop(id(conv), None)
+        if server is not None:
+            await self._let_go(server)
 
     async def close(self) -> None:
         servers, self._all = list(self._all), set()
         self._servers.clear()
+        self._on.clear()
         await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
 

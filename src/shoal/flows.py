@@ -59,7 +59,7 @@ class Branch:
     def __init__(self, run: _Run, flow: str, parent: Branch | None, budget: Budget | None) -> None:
         self.run, self.flow, self.parent = run, flow, parent
         self.id = uuid.uuid4().hex[:10]
-        self.depth = parent.depth + 1 if parent else 1
+        self.depth: int = parent.depth + 1 if parent else 1
         self.chain: tuple[str, ...] = (*parent.chain, flow) if parent else (flow,)
         self.budget = budget or Budget()
         self.spent = Usage()
@@ -69,7 +69,7 @@ class Branch:
         self.task: asyncio.Task[Any] | None = None  # the task this call runs on
         own = time.monotonic() + self.budget.seconds if self.budget.seconds is not None else None
         inherited = parent.deadline if parent else None
-        self.deadline = min((d for d in (own, inherited) if d is not None), default=None)
+        self.deadline: float | None = min((d for d in (own, inherited) if d is not None), default=None)
         self.own_deadline = own is not None and (inherited is None or own < inherited)
 
     def __repr__(self) -> str:
@@ -80,7 +80,8 @@ class Branch:
         return self.run.journal.dir
 
     def lineage(self) -> list[Branch]:
-        out, b = [], self
+        out: list[Branch] = []
+        b: Branch | None = self
         while b is not None:
             out.append(b)
             b = b.parent

@@ -69,8 +69,8 @@ def _where(exc: BaseException, file: Path | None) -> str:
         return f"{exc.filename}:{exc.lineno}"
     frames = traceback.extract_tb(exc.__traceback__)
     mine = [f for f in frames if file is not None and Path(f.filename) == Path(file)]
-    frame = (mine or frames or [None])[-1]
-    return f"{frame.filename}:{frame.lineno}" if frame else str(file)
+    found = mine or frames
+    return f"{found[-1].filename}:{found[-1].lineno}" if found else str(file)
 
 
 def _pick(module: ModuleType, name: str | None, where: str) -> Flow:

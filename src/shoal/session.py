@@ -14,9 +14,9 @@ import json
 import queue
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from shoal.backends.base import Backend, Conversation
 from shoal.errors import TurnFailed, TurnTimeout
@@ -27,7 +27,7 @@ from shoal.runtime import runtime
 from shoal.scope import Kept, Scope, current_scope
 
 if TYPE_CHECKING:
-    Sink = Callable[[Event], None]
+    Sink = Callable[[Event], object]
 
 
 class _Turns:
@@ -162,7 +162,9 @@ class Session:
         note = scope.record if scope is not None else _ignore
         note("turn.began", session=self.id, turn=turn, prompt=prompt[:2000])
         try:
-            async with contextlib.aclosing(self.backend.turn(self._conv, prompt)) as stream:
+            # every backend's turn is an async generator: closing it runs its own clean-up at once
+            events_of = cast(AsyncGenerator[Event, None], self.backend.turn(self._conv, prompt))
+            async with contextlib.aclosing(events_of) as stream:
                 async for ev in stream:
                     events.append(ev)
                     if isinstance(ev, StepUsage):
@@ -271,7 +273,7 @@ class TurnStream:
         self._session, self._prompt, self._timeout = session, prompt, timeout
         self.reply: Reply | None = None
 
-    async def _produce(self, put: Callable[[object], None]) -> None:
+    async def _produce(self, put: Callable[[object], object]) -> None:
         try:
             reply = await self._session._turn(self._prompt, self._timeout, put)
         except BaseException as exc:
@@ -289,6 +291,7 @@ class TurnStream:
     async def __aiter__(self) -> AsyncIterator[Event | Reply]:
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[object] = asyncio.Queue()
+        cancel: Callable[[], object]
         if runtime.on_loop():
             task = loop.create_task(self._produce(items.put_nowait))
             cancel = task.cancel

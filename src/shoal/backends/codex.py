@@ -348,6 +348,7 @@ def _kind(kind: Any) -> str:
 def _item_events(item: dict[str, Any], *, done: bool, already: bool = False) -> list[Event]:
     """ToolStarted / ToolFinished / Text for one codex item (exec spelling), started or completed."""
     kind, call_id, status = item.get("type"), str(item.get("id", "")), item.get("status")
+    args: dict[str, Any]
     if kind == "agent_message":
         return [Text(str(item["text"]))] if done and item.get("text") else []
     if kind == "command_execution":

@@ -30,10 +30,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from shoal import backends
 from shoal.backends.base import Backend, Conversation, Settings
@@ -41,6 +41,7 @@ from shoal.errors import TurnFailed
 from shoal.hosts.results import Snapshots, push_branch
 from shoal.places.base import Place
 from shoal.procs import tagged_pids
+from shoal.reply import Event
 
 TAG_VAR = "SHOAL_HOST"
 MARKS = ".shoal-hosts"  # in the agent's home: which sessions' conversations this home holds
@@ -197,7 +198,8 @@ class SessionHost:
     async def _pump(self, prompt: str, items: asyncio.Queue[object]) -> None:
         assert self.backend is not None and self.conv is not None
         try:
-            async with contextlib.aclosing(self.backend.turn(self.conv, prompt)) as events:
+            turn = cast(AsyncGenerator[Event, None], self.backend.turn(self.conv, prompt))  # a generator, always
+            async with contextlib.aclosing(turn) as events:
                 async for ev in events:
                     items.put_nowait(ev)
         except asyncio.CancelledError:

@@ -270,9 +270,9 @@ class RayBackend:
             cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise HostLost(f"the Ray actor hosting session {what}{on} died: {cause}", backend=self.name) from None
         except exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, BaseException):
-                raise cause from None
+            inner = getattr(exc, "cause", None)
+            if isinstance(inner, BaseException):
+                raise inner from None
             raise
 
     def kill(self, actor: Any) -> None:

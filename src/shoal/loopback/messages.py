@@ -96,9 +96,10 @@ class Messages:
     def stream(self, body: dict[str, Any], conv: Conversation, move: ToolMove | FinalMove) -> Iterator[bytes]:
         block = self._block(body, conv, move)
         stop = "tool_use" if block["type"] == "tool_use" else "end_turn"
-        message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.get("model"),
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {**self._usage(), "output_tokens": 1}}
+        message: dict[str, Any] = {
+            "id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.get("model"),
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {**self._usage(), "output_tokens": 1}}
         yield sse({"type": "message_start", "message": message}, "message_start")
         if block["type"] == "tool_use":
             start = {**block, "input": {}}

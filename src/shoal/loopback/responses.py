@@ -45,6 +45,7 @@ class Responses:
             return {"type": "custom_tool_call", "id": new_id("ctc_"), "call_id": call_id,
                     "name": "apply_patch", "input": patch, "status": "completed"}
         command = move.command if move.kind == "run" else shell_write(move.path, move.text)
+        args: dict[str, Any]
         if "exec_command" in tools:
             name, args = "exec_command", {"cmd": command}
         else:

@@ -165,6 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._fail(fmt, move.status, rid)
                 return
             move = plan(conv, skip_fails=True).move  # the failure was spent: the script goes on
+            assert not isinstance(move, FailMove)  # skip_fails: the plan has moved past every failure
         if body.get("stream"):
             self._stream(fmt, body, conv, move, rid)
         else:

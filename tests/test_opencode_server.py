@@ -95,7 +95,7 @@ def test_eight_sessions_in_eight_directories_share_one_secured_server(tmp_path: 
 
 def test_a_non_loopback_bind_needs_the_users_own_password() -> None:
     assert check_bind("127.0.0.1", False) is None and check_bind("::1", False) is None
-    with pytest.raises(ValueError, match="refusing to bind"):
+    with pytest.raises(shoal.BadSetting, match="refusing to bind"):
         check_bind("0.0.0.0", False)
     assert "TLS" in (check_bind("0.0.0.0", True) or "")
     env = {k: v for k, v in os.environ.items() if k != "OPENCODE_SERVER_PASSWORD"}
@@ -383,7 +383,7 @@ def test_agent_and_model_pass_through_to_each_prompt(tmp_path: Path) -> None:
         "agent": "plan", "model": {"providerID": "anthropic", "modelID": "claude-x"}}
     server = OpenCode(settings([], model="openai/gpt-x")).server
     assert server is not None and server.fields == {"model": {"providerID": "openai", "modelID": "gpt-x"}}
-    with pytest.raises(ValueError, match="transport='run'"):
+    with pytest.raises(shoal.BadSetting, match="transport='run'"):
         OpenCode(settings(["--print-logs"]))
     run = OpenCode(Settings(**{**vars(settings(["--agent", "plan"])), "transport": "run"}))
     assert run.server is None and run._argv(Conversation(cwd=tmp_path))[-2:] == ["--agent", "plan"]

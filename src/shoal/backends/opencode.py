@@ -24,7 +24,7 @@ from typing import Any
 from shoal.backends.base import Conversation, Settings, base_env, find_cli
 from shoal.backends.opencode_events import refused, usage_of
 from shoal.backends.opencode_fleet import ServerPool
-from shoal.errors import BackendCrashed, BadModel, ProviderError, TurnFailed
+from shoal.errors import BackendCrashed, BadModel, BadSetting, ProviderError, TurnFailed
 from shoal.procs import Proc
 from shoal.reply import Event, Notice, Started, StepUsage, Text, ToolFinished, ToolStarted
 
@@ -55,7 +55,7 @@ class OpenCode:
         self.settings = settings
         self.transport = settings.transport or "server"
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"opencode transports are 'server' (one managed `opencode serve` per agent) and "
+            raise BadSetting(f"opencode transports are 'server' (one managed `opencode serve` per agent) and "
                              f"'run' (one process per turn); got {self.transport!r}")
         self.cli = find_cli("opencode", self.package)
         self.env = self._env()
@@ -97,7 +97,7 @@ class OpenCode:
             arg = args.pop(0)
             flag, eq, value = arg.partition("=")
             if flag not in PROMPT_OPTIONS or not (eq or args):
-                raise ValueError(f"opencode's server transport passes only {', '.join(PROMPT_OPTIONS)} "
+                raise BadSetting(f"opencode's server transport passes only {', '.join(PROMPT_OPTIONS)} "
                                  f"through; {arg!r} needs transport='run'")
             value = value if eq else args.pop(0)
             if PROMPT_OPTIONS[flag] == "model":
@@ -232,7 +232,7 @@ def permission_rules(permissions: dict[str, str]) -> dict[str, Any]:
     for key, action in permissions.items():
         action = "deny" if action == "ask" else action  # headless: asking would wait for nobody
         if action not in ("allow", "deny"):
-            raise ValueError(f"permission {key!r}: {action!r} is not allow, deny or ask")
+            raise BadSetting(f"permission {key!r}: {action!r} is not allow, deny or ask")
         tool, pattern = key.split(":", 1) if ":" in key else (key, "")
         held = rules.get(tool)
         if not pattern:

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from shoal.errors import BackendCrashed, TurnFailed
+from shoal.errors import BackendCrashed, BadSetting, TurnFailed
 from shoal.procs import Proc
 
 USER = "opencode"
@@ -47,7 +47,7 @@ def check_bind(host: str, password_explicit: bool) -> str | None:
     if loopback:
         return None
     if not password_explicit:
-        raise ValueError(
+        raise BadSetting(
             f"refusing to bind opencode's server to {host}: anything that reaches it can run commands "
             "on this machine. Keep it on 127.0.0.1 and forward the port over ssh, or set "
             "OPENCODE_SERVER_PASSWORD yourself (and put TLS in front of it)."

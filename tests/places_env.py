@@ -15,7 +15,7 @@ import socket
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,3 +190,35 @@ def fuse_mounts() -> list[str]:
     """Mount points of every sshfs mount on the machine."""
     with open("/proc/mounts") as f:
         return [line.split()[1] for line in f if line.split()[2] == "fuse.sshfs"]
+
+
+def processes_running(marker: str) -> list[str]:
+    """Live processes on this machine (containers' and the loopback sshd's included) whose command
+    line holds `marker`: "pid: command line"."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and marker in cmdline:
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def wait_until(check: Callable[[], object], timeout: float) -> object:
+    """`check()` once it is truthy, or its last falsy value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+def sleeper() -> str:
+    """A command line no other process has: `sleep <a unique number of seconds>`, ~1 year."""
+    return f"sleep {31_000_000 + (os.getpid() * 7919 + time.time_ns() // 1000) % 999_983}"

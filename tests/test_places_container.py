@@ -18,8 +18,19 @@ from pathlib import Path
 import pytest
 
 import shoal
-from conftest import leftovers, make_agent
-from places_env import MARKER, containers, git, need, podman_image, repo, shoal_home  # noqa: F401 - fixtures
+from conftest import leftovers, make_agent, stray
+from places_env import (  # noqa: F401 - fixtures
+    MARKER,
+    containers,
+    git,
+    need,
+    podman_image,
+    processes_running,
+    repo,
+    shoal_home,
+    sleeper,
+    wait_until,
+)
 from shoal.cli.main import main as shoal_cli
 from shoal.places import registry
 
@@ -44,6 +55,42 @@ def test_commands_land_in_the_container(backend: str, podman_image: str, tmp_pat
     assert (project / "seen.txt").stat().st_uid == os.getuid()  # the work is the caller's
     assert containers(f"shoal.place={place.id}") == []  # taken down with the agent
     assert leftovers(agent.id) == [] and registry.entries() == [] and agent.kept == []
+
+
+def in_container(name: str, command: str) -> bool:
+    ps = subprocess.run(["podman", "exec", name, "ps", "-o", "args"], capture_output=True, text=True).stdout
+    return any(line.startswith(command) for line in ps.splitlines())
+
+
+@pytest.mark.parametrize("backend", ["opencode", "opencode:run", "claude", "codex"])
+def test_a_cancelled_turn_stops_its_command_in_the_container(backend: str, podman_image: str,
+                                                            tmp_path: Path) -> None:
+    """The CLI's shell command runs in the container: cancelling the turn stops it there too,
+    at once, not when the container goes (opencode kills the tool; `opencode run` is stopped)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    command = sleeper()
+    with make_agent(backend) as agent:
+        place = shoal.Container(podman_image, path=project, network="none")
+        s = agent.session(where=place)
+
+        async def cancelled() -> None:
+            turn = asyncio.create_task(s.arun(f"#! run echo started > started.txt && {command}"))
+            try:
+                assert await asyncio.to_thread(wait_until, lambda: in_container(place.name, command), 90)
+            finally:
+                turn.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await turn
+
+        asyncio.run(cancelled())
+        assert (project / "started.txt").read_text() == "started\n"
+        # gone from the container and from here (the shim, the engine's client), the container still up
+        assert wait_until(lambda: not processes_running(command), 5), processes_running(command)
+        assert not in_container(place.name, command)
+        assert containers(f"shoal.place={place.id}") == [place.name]
+        assert stray(agent) == []
+    assert leftovers(agent.id) == [] and containers() == [] and registry.entries() == []
 
 
 def test_no_container_outlives_a_killed_shoal(podman_image: str, tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import shoal
-from conftest import leftovers, make_agent
-from places_env import Sshd, fuse_mounts, shoal_home, sshd  # noqa: F401 - fixtures
+from conftest import leftovers, make_agent, stray
+from places_env import Sshd, fuse_mounts, processes_running, shoal_home, sleeper, sshd, wait_until  # noqa: F401
 from shoal.cli.main import main as shoal_cli
 from shoal.places import registry
 
@@ -57,6 +57,24 @@ def test_commands_and_edits_land_on_the_remote(backend: str, sshd: Sshd, tmp_pat
     assert str(local) not in fuse_mounts() and not registry.place_dir(place.id).exists()
     assert leftovers(agent.id) == [] and place_processes(place) == []
     assert registry.entries() == [] and agent.kept == []
+
+
+def test_a_timed_out_turn_stops_its_command_on_the_remote(sshd: Sshd, tmp_path: Path) -> None:
+    """ssh stops nothing on the remote when its client is killed: the shim does, over the held
+    connection. The sshd here is this machine's, so its processes are in our /proc."""
+    remote = remote_dir(tmp_path)
+    command = sleeper()
+    with make_agent("opencode") as agent:
+        place = shoal.SSH(sshd.target(remote), port=sshd.port, key=sshd.key, known_hosts=sshd.known_hosts)
+        s = agent.session(where=place)
+        s.run("#! say ready")  # the place made and the CLI up: the timeout below is the command's alone
+        with pytest.raises(shoal.TurnTimeout):
+            s.run(f"#! run echo started > started.txt && {command}", timeout=5)
+        assert (remote / "started.txt").read_text() == "started\n"
+        assert wait_until(lambda: not processes_running(command), 5), processes_running(command)
+        assert str(s.cwd) in fuse_mounts() and stray(agent) == []  # stopped while the place is still up
+        assert s.run("#! run cat marker.txt").tool_calls[0].ok  # and the place still works
+    assert leftovers(agent.id) == [] and place_processes(place) == [] and registry.entries() == []
 
 
 def test_bad_input(sshd: Sshd, tmp_path: Path) -> None:

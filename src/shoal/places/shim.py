@@ -13,6 +13,15 @@ place's held connection into the remote directory. It is this module's source co
 place's directory with the place's settings appended, run by the same Python with `-I -S`, so
 it starts in milliseconds and imports nothing of shoal.
 
+Each command carries `SHOAL_PLACE_CMD=<token>` (`<place id>.<pid>-<random>`) in its environment
+there, inherited by everything it starts, and its token is a file in the place's directory
+(`runs/run/<token>`, moved to `runs/done/` once its main process ended). On SIGTERM, SIGINT or SIGHUP (a cancelled turn:
+the CLI's process group stopped, opencode's kill of the tool's group) and when its client
+dies under it, the shim stops every process there carrying the token — from a process of its
+own session, which outlives a SIGKILL of the shim's group moments later. A shim killed
+outright cannot; the place's `after_turn` sweeps what its tokens left (`short.end_turn`).
+`<engine> exec` and `ssh` themselves stop nothing there when they are killed.
+
 Commands a CLI runs for its own housekeeping (capturing or checking a snapshot of the local
 shell's environment, which Claude Code and Codex do before the first command) stay here:
 they describe the CLI's shell, and their files are written and read on this side.
@@ -20,6 +29,7 @@ they describe the CLI's shell, and their files are written and read on this side
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +56,8 @@ SOURCE_PREFIX = re.compile(r"^\s*(?:source|\.)\s+(?P<file>/\S+)\s+2>/dev/null\s*
 # what a command in the target sees of the CLI's environment (the target has its own tools/PATH)
 FORWARD_ENV = ("TERM", "LANG", "LC_ALL", "TZ", "PAGER", "GIT_PAGER", "NO_COLOR", "FORCE_COLOR")
 PASS = "SHOAL_SHIM_PASS"  # set when a command is run here: the hook must not send it again
+TAG = "SHOAL_PLACE_CMD"  # in the environment of each command in the target: <place id>.<token>
+REAP_TIMEOUT = 15.0
 
 
 def parse(args: list[str]) -> tuple[str | None, list[str]]:
@@ -81,19 +93,66 @@ def remote_dir(cwd: str, local_root: str, remote_root: str) -> str:
     return remote_root
 
 
-def target_argv(config: dict[str, Any], command: str, extra: list[str], wd: str) -> list[str]:
+def target_argv(config: dict[str, Any], command: str, extra: list[str], wd: str, token: str) -> list[str]:
     shell = config["shell"]
     if config["kind"] == "container":
         env = [f"--env={k}={os.environ[k]}" for k in FORWARD_ENV if k in os.environ]
-        return [*config["prefix"], "--workdir", wd, *env, config["name"], shell, "-c", command, *extra]
+        return [*config["prefix"], "--workdir", wd, *env, f"--env={TAG}={token}", config["name"],
+                shell, "-c", command, *extra]
     # ssh: the remote login shell reads one string; cd there, then the same shell as here.
     # The login shell has already read the user's startup files (their PATH and such, which
     # the command keeps); --norc stops bash reading ~/.bashrc again because it runs under sshd.
     norc = " --norc" if os.path.basename(shell) == "bash" else ""
-    remote = f"cd -- {shlex.quote(wd)} && exec {shlex.quote(shell)}{norc} -c {shlex.quote(command)}"
+    remote = (f"export {TAG}={shlex.quote(token)} && cd -- {shlex.quote(wd)} && "
+              f"exec {shlex.quote(shell)}{norc} -c {shlex.quote(command)}")
     if extra:
         remote += " " + " ".join(shlex.quote(a) for a in extra)
     return [*config["prefix"], remote]
+
+
+def sweep_script(patterns: list[str]) -> str:
+    """POSIX sh for the target: stop every process whose environment holds `SHOAL_PLACE_CMD=`
+    followed by one of `patterns` (a whole token, or `<place id>.` for all of a place's): TERM,
+    up to 1 s to go, then KILL. It reads /proc (a Linux target); elsewhere it finds nothing."""
+    grep = " ".join(f"-e {shlex.quote(f'{TAG}={p}')}" for p in patterns)
+    return (f"p() {{ for f in $(grep -lF {grep} /proc/[0-9]*/environ 2>/dev/null); do f=${{f#/proc/}}; "
+            "echo ${f%/environ}; done; }; "
+            'l=$(p); [ -z "$l" ] && exit 0; kill -TERM $l 2>/dev/null; '
+            'for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.1; l=$(p); [ -z "$l" ] && exit 0; done; '
+            "kill -KILL $l 2>/dev/null; exit 0")
+
+
+def sweep_argv(config: dict[str, Any], patterns: list[str]) -> list[str]:
+    """The command that runs `sweep_script` in the target, the way the shim reaches it."""
+    script = sweep_script(patterns)
+    if config["kind"] == "container":
+        return [*config["prefix"], config["name"], "sh", "-c", script]
+    return [*config["prefix"], f"sh -c {shlex.quote(script)}"]
+
+
+def reap(config: dict[str, Any], token: str) -> bool:
+    """Stop the command of `token` in the target, and all it started; True once done. The sweep
+    runs in a session of its own: opencode kills a tool's process group 200 ms after its TERM."""
+    try:
+        proc = subprocess.Popen(sweep_argv(config, [token]), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **config.get("env", {})})
+    except OSError:
+        return False
+    try:
+        return proc.wait(REAP_TIMEOUT) == 0
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+
+
+def _move(src: Path, dst: Path | None) -> None:
+    with contextlib.suppress(OSError):
+        if dst is None:
+            src.unlink()
+        else:
+            src.rename(dst)
 
 
 def log(config: dict[str, Any], **fields: Any) -> None:
@@ -128,14 +187,38 @@ def main(config: dict[str, Any]) -> int:
     cwd_file = None
     if (m := CWD_SUFFIX.search(command)) is not None:
         cwd_file, command = m["file"], command[:m.start()]
-    argv = target_argv(config, command, extra, wd)
+    token = f"{config['id']}.{os.getpid()}-{os.urandom(6).hex()}"  # none is a prefix of another
+    runs = Path(config["runs"])
+    running = runs / "run" / token
+    with contextlib.suppress(OSError):
+        running.touch()
+    argv = target_argv(config, command, extra, wd, token)
     log(config, args=args, cwd=cwd, there=argv)
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                              env={**os.environ, **config.get("env", {})})
+    stopping: list[int] = []
+
+    def stop(sig: int, _frame: Any) -> None:
+        if stopping:
+            return
+        stopping.append(sig)
+        # its token stays in run/: the turn's end sweeps it again, in case the command was
+        # still starting there (not yet carrying its token) when this sweep looked
+        reap(config, token)
+        with contextlib.suppress(OSError):
+            child.send_signal(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda s, _f: child.send_signal(s))
+        signal.signal(sig, stop)
     code = child.wait()
-    log(config, code=code)
+    log(config, code=code, stopped=stopping)
+    if not stopping:
+        if code < 0 or (code == 255 and config["kind"] == "ssh"):
+            # the client died (killed; the connection lost) and the command may run on there
+            if reap(config, token):
+                _move(running, None)
+        else:
+            _move(running, runs / "done" / token)  # what it left in the background: see short.end_turn
     if cwd_file is not None and code == 0:
         Path(cwd_file).write_text(cwd + "\n")
     return code
@@ -152,7 +235,13 @@ unset {pass_}
 
 
 def write(directory: Path, config: dict[str, Any], target: str) -> dict[str, str]:
-    """Write the shim and the hook into `directory`; return the environment that uses them."""
+    """Write the shim and the hook into `directory`; return the environment that uses them.
+    Fills in the place's `id` (default: the directory's name) and `runs` in `config`, which the
+    place keeps for stopping its commands (`short.end_turn`, `short.sweep`)."""
+    config.setdefault("id", directory.name)  # the place's directory is named by its id
+    config["runs"] = str(directory / "runs")
+    for sub in ("run", "done"):
+        (directory / "runs" / sub).mkdir(parents=True, exist_ok=True)
     if os.environ.get("SHOAL_SHIM_LOG"):
         config = {**config, "log": os.environ["SHOAL_SHIM_LOG"]}
     bin_dir = directory / "bin"

@@ -19,6 +19,11 @@ only ever deleted once it is no longer a mount point. If shoal is killed instead
 sshfs get SIGTERM from the kernel (`tied`), so neither they nor the mount outlive it.
 Anything found there after unmounting was written here while the mount was gone: it is kept,
 and `close()` says where.
+
+A killed ssh client stops nothing on the remote. The commands of a cancelled or timed-out turn
+are stopped there by the shim over the held connection, and by `after_turn` for a shim that
+was killed outright (shim.py, `short.end_turn`); `close()` stops whatever commands left running
+in the background. If shoal is killed outright, those remote commands run on.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from shoal.errors import HostUnreachable, KeyRefused, PlaceError
 from shoal.places import registry, shim
+from shoal.places.short import end_turn, run_short, sweep
 from shoal.procs import Proc
 
 TARGET = re.compile(r"^(?:(?P<user>[^@/:]+)@)?(?P<host>\[[^\]]+\]|[^:/]+)(?::(?P<path>.*))?$")
@@ -82,6 +89,8 @@ class SSH:
         self._master: Proc | None = None
         self._sshfs: Proc | None = None
         self._env: dict[str, str] = {}
+        self._shim: dict[str, Any] = {}
+        self._ran = False  # a command has run there: close() stops what is left of them
         self._last_err = ""
         self.opened = False
 
@@ -117,6 +126,7 @@ class SSH:
                                  "-n", "-T", self.dest],
                       "local_root": str(self.mount), "remote_root": self.remote_dir}
             self._env = shim.write(self.dir, config, f"{self.dest}:{self.remote_dir}")
+            self._shim = config
             registry.add(self.id, self.kind, self.mount, target=f"{self.dest}:{self.remote_dir}", dir=str(self.dir),
                          ctl=str(self.ctl))
         except BaseException:
@@ -167,18 +177,9 @@ class SSH:
         """One ssh call over the held connection; its stdout, or None if it failed."""
         argv = ["ssh", *self.ssh_options(), "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no", *args,
                 self.dest, *([remote] if remote is not None else [])]
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            async with asyncio.timeout(timeout):
-                out, err = await proc.communicate()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise
-        self._last_err = err.decode(errors="replace").strip()
-        return out.decode(errors="replace") if proc.returncode == 0 else None
+        code, out, err = await run_short(argv, timeout=timeout)
+        self._last_err = err.strip()
+        return out if code == 0 else None
 
     async def _probe(self) -> tuple[str, str]:
         """The remote directory (absolute, resolved) and the shell commands run in there."""
@@ -212,6 +213,8 @@ class SSH:
         return dict(self._env)
 
     async def after_turn(self) -> None:
+        if self.opened and self._shim and await end_turn(self._shim):  # see short.end_turn
+            self._ran = True
         if self.opened and not os.path.ismount(self.mount):
             raise PlaceError(f"the sshfs mount of {self.dest}:{self.remote_dir} at {self.mount} went away; "
                              f"anything written there since is only here")
@@ -246,6 +249,9 @@ class SSH:
         if not self.opened:
             return None
         self.opened = False
+        if self._ran and self._master is not None:
+            # what commands left in the background there (nothing stops it when ssh goes)
+            await sweep(self._shim)
         note = await self._teardown()
         if note is None:
             registry.remove(self.id)

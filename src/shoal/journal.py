@@ -103,9 +103,11 @@ class KeptLog:
                 tmp.symlink_to(self.source)  # may not exist yet: the CLI writes it on its first turn
                 os.replace(tmp, self.path)
 
-    def settle(self) -> None:
+    def settle(self, source: Path | None = None) -> None:
         """One holder is done; the last one swaps the link for a copy of the file as it is now."""
         with self._lock:
+            if source is not None and source.exists() and not self.source.exists():
+                self.source = source.absolute()  # the first guess of its path was wrong
             self.holders -= 1
             if self.holders > 0 or not self.path.is_symlink():
                 return

@@ -20,8 +20,9 @@ class Kept(Protocol):
 
     link: str
 
-    def settle(self) -> None:
-        """The session is over: keep the log as it is now (it may go with the agent's home)."""
+    def settle(self, source: Path | None = None) -> None:
+        """The session is over: keep the log as it is now (it may go with the agent's home).
+        `source`: where the backend now says the log is, if it knows better than at the start."""
         ...
 
 

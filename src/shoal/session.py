@@ -242,7 +242,7 @@ class Session:
         finally:
             kept, self._log = self._log, None  # once: a log shared by sessions is copied after the last
             if kept is not None:
-                await asyncio.to_thread(kept.settle)
+                await asyncio.to_thread(kept.settle, self.backend.log(self._conv))
         return await self.place.close()
 
 

@@ -63,6 +63,10 @@ class Conversation:
 class Backend(Protocol):
     name: str
     settings: Settings
+    # keys of `Conversation.state` that name something of this process (a process handle, the
+    # generation of a server it started): a session resumed by another process (a Ray actor on
+    # another node) leaves them behind; the rest of its state travels with it
+    process_bound: frozenset[str]
 
     def turn(self, conv: Conversation, prompt: str) -> AsyncIterator[Event]:
         """Run one turn; yield its events; raise `TurnFailed` (or a subclass) if it fails."""

@@ -60,6 +60,7 @@ class _WrongStart(TurnFailed):
 class Claude:
     name = "claude"
     package = "@anthropic-ai/claude-code"
+    process_bound = frozenset({"proc"})  # the CLI held open between turns
     init_timeout = 60.0  # from sending a prompt to the CLI's first line (start-up, not the model)
 
     def __init__(self, settings: Settings) -> None:

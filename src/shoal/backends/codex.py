@@ -68,6 +68,7 @@ def sandbox_mode(permissions: dict[str, str]) -> str:
 class Codex:
     name = "codex"
     package = "@openai/codex"
+    process_bound = frozenset({"codex_server"})  # which app-server has the thread loaded
 
     def __init__(self, settings: Settings) -> None:
         model = settings.model

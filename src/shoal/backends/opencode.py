@@ -45,6 +45,7 @@ class _DatabaseBusy(Exception):
 class OpenCode:
     name = "opencode"
     package = "opencode-ai"
+    process_bound = frozenset({"opencode_server"})  # which `opencode serve` the session is on
 
     def __init__(self, settings: Settings) -> None:
         if settings.model != "loopback" and "/" not in settings.model:

@@ -47,12 +47,6 @@ TAG_VAR = "SHOAL_HOST"
 MARKS = ".shoal-hosts"  # in the agent's home: which sessions' conversations this home holds
 SNAPSHOT_KINDS = ("copy", "worktree")  # places made for the session; others are the user's own directory
 MAX_BATCH = 256
-# What a backend keeps in `Conversation.state` about its processes *in this actor* (a held
-# process, the generation of the server a thread is open on): it means nothing to a fresh
-# actor, and a server generation carried over would make one believe a thread is already open
-# on its own new server. The rest of the state (claude's "resume", codex's running usage
-# total...) travels, so a fresh actor resumes exactly as a restarted CLI does locally.
-PROCESS_BOUND = frozenset({"proc", "codex_server", "opencode_server"})
 CANCEL_WAIT = 30.0  # a cancelled turn stops its CLI in a few seconds (TERM, 2 s grace, KILL)
 
 REAPER = r"""
@@ -208,7 +202,12 @@ class SessionHost:
         except Exception as exc:
             items.put_nowait(Failed.of(exc))
             return
-        state = {k: v for k, v in self.conv.state.items() if k not in PROCESS_BOUND and _picklable(v)}
+        # what the backend keeps of its processes *in this actor* (`Backend.process_bound`) means
+        # nothing to a fresh actor; a server generation carried over would make one believe a
+        # thread is already open on its own new server. The rest travels (claude's "resume",
+        # codex's usage total), so a fresh actor resumes exactly as a restarted CLI does here.
+        bound = self.backend.process_bound
+        state = {k: v for k, v in self.conv.state.items() if k not in bound and _picklable(v)}
         items.put_nowait(Finished(self.conv.session_id, state, self.held()))
 
     async def next(self, wait: float) -> list[object]:

@@ -154,6 +154,8 @@ def machine() -> str:
 class RayBackend:
     """The `Backend` of a hosted agent: each session's turns run by its actor, on its node."""
 
+    process_bound: frozenset[str] = frozenset()  # its actors hold the processes; nothing of them is here
+
     def __init__(self, host: Ray, settings: Settings) -> None:
         self.host = host
         self.settings = settings

@@ -12,14 +12,17 @@ fi
 .venv/bin/python -m pip install --quiet -e '.[dev,ray]'  # ray: the hosted-session tests
 
 # System tools the places use, and their tests drive for real: git (worktrees); podman + runc
-# (containers, from an image the tests build out of busybox-static); openssh-server/-client,
-# sshfs and fuse3 (ssh targets, against a throwaway sshd). Installed only when missing, with
-# apt-get as root; anywhere else setup says what to install and carries on.
+# and docker.io (containers, from an image the tests build out of busybox-static; for docker
+# the tests start a private dockerd of their own, not the system's, which apt may also start
+# where systemd runs); openssh-server/-client, sshfs and fuse3 (ssh targets, against a
+# throwaway sshd). Installed only when missing, with apt-get as root; anywhere else setup says
+# what to install and carries on.
 missing=()
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; }
 have git || missing+=(git)
 have podman || missing+=(podman)
 have runc || missing+=(runc)
+have dockerd || missing+=(docker.io)
 have sshd || missing+=(openssh-server)
 have ssh || missing+=(openssh-client)
 have sshfs || missing+=(sshfs)

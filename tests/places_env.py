@@ -1,8 +1,9 @@
-"""Fixtures for the places tests: a private registry, a tiny container image, a real sshd.
+"""Fixtures for the places tests: a private registry, a tiny container image, container
+engines (podman; a private dockerd), a real sshd.
 
 Imported by the tests/test_places_*.py modules (`from places_env import ...`). Everything is
-built here from what `scripts/setup.sh` installs (podman, runc, busybox-static, openssh-server,
-sshfs), cached under ~/.cache/shoal/test-places so a run does not rebuild it.
+built here from what `scripts/setup.sh` installs (podman, runc, docker.io, busybox-static,
+openssh-server, sshfs), cached under ~/.cache/shoal/test-places so a run does not rebuild it.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import contextlib
 import getpass
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -120,11 +123,141 @@ def podman_image() -> Iterator[str]:
         os.environ["CONTAINERS_CONF"] = saved
 
 
-def containers(label: str = "shoal.place") -> list[str]:
-    """Every container (running or not) podman has that shoal made."""
-    out = subprocess.run(["podman", "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
-                         capture_output=True, text=True).stdout
-    return out.split()
+# What dockerd (20.10) makes outside its --data-root/--exec-root, whatever it is told: its
+# trust key, the plugin socket directory, and containerd's shim socket directory. Removed at
+# the end when the private daemon made them (and they are empty: another daemon may use them).
+DOCKERD_OUTSIDE = ("/etc/docker/key.json", "/run/docker", "/run/docker/plugins", "/run/containerd",
+                   "/run/containerd/s")
+DOCKERD_START_TIMEOUT = 30.0
+
+
+@dataclass
+class Dockerd:
+    """A private Docker engine: `docker` (the client, `engine`) reaches it with `DOCKER_HOST=host`."""
+    engine: str
+    host: str
+    image: str
+
+    def docker(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([self.engine, *args], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "DOCKER_HOST": self.host})
+
+
+def _dies_with_me() -> Callable[[], None]:
+    """preexec_fn: the daemon gets SIGTERM if this test process dies without stopping it."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stop_dockerd(proc: subprocess.Popen[bytes], root: Path) -> None:
+    """Stop the daemon (it stops its containerd), then anything of its still alive (containerd,
+    a shim: their command lines name `root`), then unmount what is left under `root`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    wait_until(lambda: not processes_running(str(root)), 10)
+    for line in processes_running(str(root)):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1] for line in f if line.split()[1].startswith(str(root) + "/")]
+    for mount in reversed(mounts):
+        subprocess.run(["umount", "-l", mount], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def dockerd() -> Iterator[Dockerd]:
+    """A Docker engine of this test session's own: dockerd (Debian's docker.io, 20.10) with its
+    own data root, exec root, pid file and socket in a temporary directory, no bridge or
+    iptables (the containers need no network), and the test image imported into it (no
+    registry needed). Stopped at the end, leaving no process and no directory behind."""
+    client = need("docker")
+    daemon = need("dockerd")
+    if os.geteuid() != 0:
+        pytest.skip("dockerd needs root (rootless docker is not set up here); run the docker tests as root")
+    made = [p for p in map(Path, DOCKERD_OUTSIDE) if not p.exists()]
+    root = Path(tempfile.mkdtemp(prefix="shoal-dockerd-"))
+    tried: list[str] = []
+    proc: subprocess.Popen[bytes] | None = None
+    box: Dockerd | None = None
+    try:
+        for driver in ("overlay2", "vfs"):  # vfs: where overlayfs cannot be mounted (slow, but works)
+            d = root / driver
+            d.mkdir()
+            log = d / "dockerd.log"
+            box = Dockerd(client, f"unix://{d / 'docker.sock'}", IMAGE)
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    [daemon, "--data-root", str(d / "data"), "--exec-root", str(d / "exec"),
+                     "--pidfile", str(d / "dockerd.pid"), "-H", box.host, "--storage-driver", driver,
+                     "--iptables=false", "--ip6tables=false", "--bridge=none"],
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, preexec_fn=_dies_with_me())
+            deadline = time.monotonic() + DOCKERD_START_TIMEOUT
+            up = False
+            while not up and proc.poll() is None and time.monotonic() < deadline:
+                up = (d / "docker.sock").exists() and box.docker("version", timeout=10).returncode == 0
+                time.sleep(0 if up else 0.1)
+            if up:
+                imported = box.docker("import", str(_rootfs_tar()), IMAGE)
+                ran = box.docker("run", "--rm", "--network", "none", IMAGE, "cat", "/etc/shoal-marker")
+                if imported.returncode == 0 and ran.stdout.strip() == MARKER:
+                    break
+                tried.append(f"{driver}: {(imported.stderr + ran.stderr).strip()[-500:]}")
+            else:
+                tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+                why = (f"exited ({proc.returncode})" if proc.poll() is not None
+                       else f"did not answer within {DOCKERD_START_TIMEOUT:.0f} s")
+                tried.append(f"{driver}: dockerd {why}: {tail}")
+            _stop_dockerd(proc, d)
+            proc = None
+        if proc is None or box is None:
+            pytest.skip("a private dockerd cannot run a container here: " + "; ".join(tried))
+        yield box
+    finally:
+        if proc is not None and box is not None:
+            with contextlib.suppress(Exception):
+                ids = box.docker("ps", "-aq", timeout=30).stdout.split()
+                if ids:
+                    box.docker("rm", "--force", *ids, timeout=60)
+            _stop_dockerd(proc, root)
+        shutil.rmtree(root, ignore_errors=True)
+        for path in reversed(made):  # what the daemon made outside its root: children first
+            with contextlib.suppress(OSError):
+                path.rmdir() if path.is_dir() else path.unlink()
+
+
+@dataclass
+class Engine:
+    """A container engine the places tests run against, as shoal.Container(engine=name) sees it."""
+    name: str  # "podman" | "docker"
+    image: str
+    env: dict[str, str] = field(default_factory=dict)  # what the engine's client needs (DOCKER_HOST)
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([self.name, *args], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **self.env})
+
+    def containers(self, label: str = "shoal.place") -> list[str]:
+        """Every container (running or not) this engine has that shoal made."""
+        return self.run("ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}").stdout.split()
+
+
+@pytest.fixture(params=["podman", "docker"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    """Each container engine in turn. For docker: the private dockerd, with DOCKER_HOST set for
+    the test, so shoal, the shim it writes and everything the test starts reach it."""
+    if request.param == "podman":
+        return Engine("podman", request.getfixturevalue("podman_image"))
+    box: Dockerd = request.getfixturevalue("dockerd")
+    monkeypatch.setenv("DOCKER_HOST", box.host)
+    monkeypatch.delenv("DOCKER_CONTEXT", raising=False)
+    return Engine("docker", box.image, {"DOCKER_HOST": box.host})
 
 
 @dataclass

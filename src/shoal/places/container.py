@@ -17,7 +17,8 @@ and `after_turn` sweeps what a killed shim could not (shim.py, `short.end_turn`)
 Measured with podman/runc on a 2-core box: up 0.3 s (8 at once: 1.5 s), down 0.15 s, and each
 command ~0.19 s (`podman exec`) where a local one takes 1 ms.
 
-podman and docker have the same CLI surface for all of this. On hosts where podman needs
+podman and docker have the same CLI surface for all of this, and both are tested for real
+(docker: dockerd 20.10 with a 28 client; up 0.4 s, down 0.1 s). On hosts where podman needs
 settings (runtime, cgroup manager, ulimits), give them the usual way (`CONTAINERS_CONF`,
 containers.conf); that environment is captured when the place is made and given to every
 `exec` the shim runs, since the CLI's own environment is a clean one.
@@ -139,7 +140,10 @@ class Container:
             raise EngineNotFound(f"{self.engine} did not answer within {PROBE_TIMEOUT:.0f} s; is it working?") from None
         if code == 0:
             return
-        if "daemon" in out.lower() or "connect" in out.lower():
+        low = out.lower()
+        # docker 28 says "Error response from daemon: No such image" (the engine did answer)
+        gone = "no such image" in low or "image not known" in low
+        if not gone and ("daemon" in low or "connect" in low):
             raise EngineNotFound(f"{self.engine} is installed but cannot reach its engine: {out}")
         said = out.splitlines()[-1] if out else f"exit {code}"
         raise ImageNotFound(f"image {self.image!r} is not in {self.engine}'s local store ({said}). "

@@ -110,12 +110,20 @@ def target_argv(config: dict[str, Any], command: str, extra: list[str], wd: str,
     return [*config["prefix"], remote]
 
 
+def _literal(text: str) -> str:
+    """`text` as a basic regular expression matching itself."""
+    return "".join(c if c.isalnum() or c in "_-=/:@%," else "\\^" if c == "^" else f"[{c}]" for c in text)
+
+
 def sweep_script(patterns: list[str]) -> str:
     """POSIX sh for the target: stop every process whose environment holds `SHOAL_PLACE_CMD=`
     followed by one of `patterns` (a whole token, or `<place id>.` for all of a place's): TERM,
-    up to 1 s to go, then KILL. It reads /proc (a Linux target); elsewhere it finds nothing."""
-    grep = " ".join(f"-e {shlex.quote(f'{TAG}={p}')}" for p in patterns)
-    return (f"p() {{ for f in $(grep -lF {grep} /proc/[0-9]*/environ 2>/dev/null); do f=${{f#/proc/}}; "
+    up to 1 s to go, then KILL. It reads /proc (a Linux target); elsewhere it finds nothing.
+    The patterns are regular expressions, not `grep -F`: busybox's fixed-string search stops at
+    the first NUL of a /proc/PID/environ, so it saw only the first variable: which one that is
+    depends on the engine and the shell (podman's order happened to put the tag first, docker's not)."""
+    grep = " ".join(f"-e {shlex.quote(_literal(f'{TAG}={p}'))}" for p in patterns)
+    return (f"p() {{ for f in $(grep -l {grep} /proc/[0-9]*/environ 2>/dev/null); do f=${{f#/proc/}}; "
             "echo ${f%/environ}; done; }; "
             'l=$(p); [ -z "$l" ] && exit 0; kill -TERM $l 2>/dev/null; '
             'for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.1; l=$(p); [ -z "$l" ] && exit 0; done; '

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import sys
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -34,8 +35,10 @@ def kill_all() -> None:
 def tagged_pids(needle: str) -> list[int]:
     """Pids of live processes whose environment contains `needle` (e.g. "SHOAL_AGENT=ab12")."""
     raw = needle.encode()
-    found = []
+    found: list[int] = []
     me = os.getpid()
+    if not os.path.isdir("/proc"):
+        return found  # no /proc (macOS): process groups alone stop what shoal started
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
@@ -51,10 +54,13 @@ def tagged_pids(needle: str) -> list[int]:
     return found
 
 
-def _dies_with(parent: int) -> Callable[[], None]:
+def _dies_with(parent: int) -> Callable[[], None] | None:
     """For a child, before exec: be killed when the thread that started it goes (Linux's
     PR_SET_PDEATHSIG; shoal starts processes from its own loop thread, which lives as long as
-    shoal does). prctl is looked up here, in the parent: the child only calls it."""
+    shoal does). prctl is looked up here, in the parent: the child only calls it. Elsewhere
+    than Linux there is no such thing, and process groups are what stops a CLI."""
+    if not sys.platform.startswith("linux"):
+        return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def arm() -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,33 @@ def test_what_a_command_left_in_the_background(tmp_path: Path) -> None:
             assert processes_running(command)  # the agent's server, say, for the next turn
             assert asyncio.run(short.sweep(config)) is True  # what an ssh place does when given back
         assert processes_running(command) == [] and tokens(config, "done") == []
+
+
+# A CLI with threads: it starts its command from a thread that ends a moment later (the kernel
+# tells the shim, as if its CLI had died), and lives on until it is killed.
+THREADED_CLI = """
+import subprocess, sys, threading, time
+def start():
+    subprocess.Popen([sys.argv[1], "-c", sys.argv[2]])
+    time.sleep(1)
+threading.Thread(target=start).start()
+time.sleep(600)
+"""
+
+
+def test_a_shim_whose_cli_dies_stops_its_command_in_the_target(tmp_path: Path) -> None:
+    """shoal killed outright: the CLI dies with it (PR_SET_PDEATHSIG), the shim's client does not
+    (the fake one here never does), and nothing is left to sweep at the turn's end. The kernel
+    tells the shim its CLI died; the end of a thread of the CLI alone stops nothing."""
+    _config, env, local = local_place(tmp_path)
+    command = sleeper()
+    cli = subprocess.Popen([sys.executable, "-c", THREADED_CLI, env["SHELL"], command], cwd=local, env=env,
+                           start_new_session=True)
+    try:
+        assert wait_until(lambda: started(command), 10)
+        time.sleep(1.3)  # the thread that started the shim has ended
+        assert started(command)
+    finally:
+        cli.kill()  # the CLI alone: the shim and its client run on, orphaned
+        cli.wait()
+    assert wait_until(lambda: not processes_running(command), 5), processes_running(command)

@@ -22,13 +22,18 @@ import shoal
 from conftest import leftovers, make_agent, stray
 from places_env import Sshd, fuse_mounts, processes_running, shoal_home, sleeper, sshd, wait_until  # noqa: F401
 from shoal.cli.main import main as shoal_cli
-from shoal.places import registry
+from shoal.places import registry, shim
 
 
 def place_processes(place: shoal.SSH) -> list[int]:
     """ssh/sshfs processes still naming this place's connection (its id is in their arguments)."""
     found = subprocess.run(["pgrep", "-f", place.id], capture_output=True, text=True).stdout.split()
     return [int(p) for p in found]
+
+
+def started(command: str) -> bool:
+    """Is the command itself running on the remote (not only the shim and the ssh client naming it)?"""
+    return any(p.split(": ", 1)[1].startswith(command) for p in processes_running(command))
 
 
 def remote_dir(tmp_path: Path) -> Path:
@@ -148,3 +153,67 @@ def test_nothing_outlives_a_killed_shoal(sshd: Sshd, tmp_path: Path) -> None:
     assert [e["id"] for e in registry.entries()] == [place_id] and not registry.in_use(registry.entries()[0])
     assert shoal_cli(["places", "clean"]) == 0
     assert registry.entries() == [] and not registry.place_dir(place_id).exists()
+
+
+RUNNER = """
+import shoal, sys
+port, key, known_hosts, target, command = sys.argv[1:]
+place = shoal.SSH(target, port=int(port), key=key, known_hosts=known_hosts)
+with shoal.Agent("opencode") as agent:
+    s = agent.session(where=place)
+    print(agent.id, place.id, flush=True)
+    s.run(f"#! run {command}", timeout=300)
+"""
+
+
+def test_a_killed_shoal_leaves_no_command_running_on_the_remote(sshd: Sshd, tmp_path: Path) -> None:
+    """SIGKILL shoal mid-turn (the python process alone): the CLI dies with it (PDEATHSIG), and so
+    does the held connection. The shim, orphaned, stops its command on the remote through a
+    connection of its own: told by the kernel that its CLI died, or seeing its ssh client end
+    with the held connection (whichever comes first; here, usually the latter)."""
+    remote = remote_dir(tmp_path)
+    command = sleeper()
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(sshd.port), str(sshd.key), str(sshd.known_hosts),
+                             sshd.target(remote), command], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        agent_id, place_id = proc.stdout.readline().split()
+        # the command itself runs on the remote (not only the shim and its ssh naming it)
+        assert wait_until(lambda: started(command), 60), processes_running(command)
+        mounts = [m for m in fuse_mounts() if place_id in m]
+        assert mounts
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_until(lambda: not processes_running(command), 10), processes_running(command)
+    assert wait_until(lambda: not set(mounts) & set(fuse_mounts()), 10)
+    assert leftovers(agent_id, settle=5) == []
+    assert subprocess.run(["pgrep", "-f", place_id], capture_output=True, text=True).stdout == ""
+    assert shoal_cli(["places", "clean"]) == 0 and registry.entries() == []
+
+
+def test_a_command_is_stopped_through_a_connection_of_its_own(sshd: Sshd, tmp_path: Path) -> None:
+    """When the held connection cannot stop a command (it went with a killed shoal, or is going),
+    the shim does it through a fresh one: the same port, key and known hosts, no ControlPath."""
+    remote = remote_dir(tmp_path)
+    place = shoal.SSH(sshd.target(remote), port=sshd.port, key=sshd.key, known_hosts=sshd.known_hosts)
+    command = sleeper()
+
+    async def main() -> None:
+        await place.open()
+        try:
+            shell = subprocess.Popen([place.env()["SHELL"], "-c", command], cwd=place.mount,
+                                     env={**os.environ, **place.env()}, start_new_session=True)
+            assert await asyncio.to_thread(wait_until, lambda: started(command), 10)
+            os.killpg(shell.pid, signal.SIGKILL)  # the shim and its client: the command runs on there
+            shell.wait()
+            [token] = os.listdir(Path(place._shim["runs"]) / "run")
+            assert started(command)
+            assert await asyncio.to_thread(shim.reap, {**place._shim, "prefix": ["false"]}, token)
+            assert not processes_running(command)
+        finally:
+            await place.close()
+
+    asyncio.run(main())
+    assert place_processes(place) == [] and registry.entries() == []

@@ -16,11 +16,13 @@ it starts in milliseconds and imports nothing of shoal.
 Each command carries `SHOAL_PLACE_CMD=<token>` (`<place id>.<pid>-<random>`) in its environment
 there, inherited by everything it starts, and its token is a file in the place's directory
 (`runs/run/<token>`, moved to `runs/done/` once its main process ended). On SIGTERM, SIGINT or SIGHUP (a cancelled turn:
-the CLI's process group stopped, opencode's kill of the tool's group) and when its client
-dies under it, the shim stops every process there carrying the token — from a process of its
-own session, which outlives a SIGKILL of the shim's group moments later. A shim killed
-outright cannot; the place's `after_turn` sweeps what its tokens left (`short.end_turn`).
-`<engine> exec` and `ssh` themselves stop nothing there when they are killed.
+the CLI's process group stopped, opencode's kill of the tool's group), when its client
+dies under it, and when its CLI dies (shoal killed outright: the CLI dies with shoal, and the
+kernel tells the shim, `ORPHANED`), the shim stops every process there carrying the token —
+from a process of its own session, which outlives a SIGKILL of the shim's group moments
+later; over ssh through a connection of its own when the held one is gone (it goes with
+shoal). A shim killed outright cannot; the place's `after_turn` sweeps what its tokens left
+(`short.end_turn`). `<engine> exec` and `ssh` themselves stop nothing there when they are killed.
 
 Commands a CLI runs for its own housekeeping (capturing or checking a snapshot of the local
 shell's environment, which Claude Code and Codex do before the first command) stay here:
@@ -37,6 +39,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,12 @@ FORWARD_ENV = ("TERM", "LANG", "LC_ALL", "TZ", "PAGER", "GIT_PAGER", "NO_COLOR",
 PASS = "SHOAL_SHIM_PASS"  # set when a command is run here: the hook must not send it again
 TAG = "SHOAL_PLACE_CMD"  # in the environment of each command in the target: <place id>.<token>
 REAP_TIMEOUT = 15.0
+PR_SET_PDEATHSIG = 1
+# What the kernel sends the shim when the thread of the CLI that started it ends (prctl
+# PR_SET_PDEATHSIG). Not SIGTERM: the CLI's own TERM stops the command at once, while this
+# one means the CLI is gone only if the shim's parent changed — a CLI with threads (a Rust or
+# Bun runtime) may start the shim from a thread that ends before the CLI does.
+ORPHANED = signal.SIGRTMIN + 3
 
 
 def parse(args: list[str]) -> tuple[str | None, list[str]]:
@@ -130,28 +139,48 @@ def sweep_script(patterns: list[str]) -> str:
             "kill -KILL $l 2>/dev/null; exit 0")
 
 
-def sweep_argv(config: dict[str, Any], patterns: list[str]) -> list[str]:
-    """The command that runs `sweep_script` in the target, the way the shim reaches it."""
+def sweep_argv(config: dict[str, Any], patterns: list[str], *, direct: bool = False) -> list[str]:
+    """The command that runs `sweep_script` in the target, the way the shim reaches it; `direct`:
+    over ssh, through a connection of its own (`config["direct"]`), not the held one."""
     script = sweep_script(patterns)
     if config["kind"] == "container":
         return [*config["prefix"], config["name"], "sh", "-c", script]
-    return [*config["prefix"], f"sh -c {shlex.quote(script)}"]
+    return [*config["direct" if direct else "prefix"], f"sh -c {shlex.quote(script)}"]
 
 
 def reap(config: dict[str, Any], token: str) -> bool:
     """Stop the command of `token` in the target, and all it started; True once done. The sweep
-    runs in a session of its own: opencode kills a tool's process group 200 ms after its TERM."""
+    runs in a session of its own: opencode kills a tool's process group 200 ms after its TERM.
+    Over ssh, if the held connection fails it (it is gone, or going: shoal was killed), again
+    through a connection of its own. Within REAP_TIMEOUT in all."""
+    deadline = time.monotonic() + REAP_TIMEOUT
+    for direct in (False, True) if config.get("direct") else (False,):
+        try:
+            proc = subprocess.Popen(sweep_argv(config, [token], direct=direct), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, **config.get("env", {})})
+        except OSError:
+            return False
+        try:
+            code = proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return False
+        log(config, reap=token, direct=direct, code=code)
+        if code == 0:
+            return True
+    return False
+
+
+def arm_orphaned() -> bool:
+    """Have the kernel send ORPHANED when the thread of the CLI that started this process ends
+    (Linux; prctl through ctypes, this runs with the standard library only). False if it cannot."""
     try:
-        proc = subprocess.Popen(sweep_argv(config, [token]), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **config.get("env", {})})
-    except OSError:
-        return False
-    try:
-        return proc.wait(REAP_TIMEOUT) == 0
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        import ctypes
+
+        return int(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, ORPHANED)) == 0
+    except (ImportError, OSError, AttributeError):
         return False
 
 
@@ -202,9 +231,9 @@ def main(config: dict[str, Any]) -> int:
         running.touch()
     argv = target_argv(config, command, extra, wd, token)
     log(config, args=args, cwd=cwd, there=argv)
-    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **config.get("env", {})})
+    child: subprocess.Popen[bytes] | None = None
     stopping: list[int] = []
+    parent = os.getppid()
 
     def stop(sig: int, _frame: Any) -> None:
         if stopping:
@@ -213,16 +242,35 @@ def main(config: dict[str, Any]) -> int:
         # its token stays in run/: the turn's end sweeps it again, in case the command was
         # still starting there (not yet carrying its token) when this sweep looked
         reap(config, token)
-        with contextlib.suppress(OSError):
-            child.send_signal(sig)
+        if child is not None:
+            with contextlib.suppress(OSError):
+                child.send_signal(sig)
+
+    def orphaned(_sig: int, frame: Any) -> None:
+        # the CLI is gone (not only the thread of it that started this one) and the command is not
+        if os.getppid() != parent and (child is None or child.returncode is None):
+            stop(signal.SIGTERM, frame)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
+    signal.signal(ORPHANED, orphaned)
+    if arm_orphaned() and os.getppid() != parent:  # the CLI died before the kernel was told
+        log(config, orphaned=True)
+        return 1
+    if stopping:
+        return 128 + stopping[0]
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **config.get("env", {})})
+    if stopping:  # stopped while the client was starting: the sweep may have looked too early
+        with contextlib.suppress(OSError):
+            child.send_signal(stopping[0])
+        reap(config, token)
     code = child.wait()
     log(config, code=code, stopped=stopping)
     if not stopping:
         if code < 0 or (code == 255 and config["kind"] == "ssh"):
             # the client died (killed; the connection lost) and the command may run on there
+            stopping.append(0)  # one sweep: not again when the CLI's death is told meanwhile
             if reap(config, token):
                 _move(running, None)
         else:

@@ -23,7 +23,9 @@ and `close()` says where.
 A killed ssh client stops nothing on the remote. The commands of a cancelled or timed-out turn
 are stopped there by the shim over the held connection, and by `after_turn` for a shim that
 was killed outright (shim.py, `short.end_turn`); `close()` stops whatever commands left running
-in the background. If shoal is killed outright, those remote commands run on.
+in the background. If shoal is killed outright mid-turn, the CLI dies with it and each of its
+shims, told so by the kernel, stops its command there through a connection of its own (the
+held one goes with shoal). What commands of earlier turns left in the background runs on.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ class SSH:
             config = {"kind": "ssh", "shell": shell, "bash": shim.local_bash(),
                       "prefix": ["ssh", *self.ssh_options(), "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no",
                                  "-n", "-T", self.dest],
+                      # a connection of its own, for stopping commands once the held one is gone
+                      "direct": ["ssh", *self.ssh_options(), "-o", "ControlPath=none", "-n", "-T", self.dest],
                       "local_root": str(self.mount), "remote_root": self.remote_dir}
             self._env = shim.write(self.dir, config, f"{self.dest}:{self.remote_dir}")
             self._shim = config

@@ -291,6 +291,25 @@ def test_flow_files_that_are_wrong_say_where(tmp_path: Path) -> None:
     assert "not an `async def`" in str(info.value)
 
 
+def test_wrong_arguments_are_named_at_the_call_before_anything_runs(tmp_path: Path, runs: Path) -> None:
+    with pytest.raises(shoal.FlowArguments) as info:
+        fan("t")  # `agent` and `where` missing: said at the call, as a plain function would
+    assert "'fan'" in str(info.value) and "test_flows.py" in str(info.value)
+    assert info.value.missing == ["agent", "where"] and isinstance(info.value, TypeError)
+    with pytest.raises(shoal.FlowArguments, match="unexpected keyword argument 'colour'"):
+        shoal.run(fan, "t", None, None, colour="red")
+    assert not runs.exists()  # no run began
+
+    flow_file = tmp_path / "needs.py"
+    flow_file.write_text("import shoal\n\n@shoal.flow\nasync def main(task, coder, reviewer):\n    return task\n")
+    out = subprocess.run([sys.executable, "-m", "shoal.cli.main", "run", str(flow_file), "go", "-a", "coder=opencode"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "SHOAL_RUNS": str(runs)})
+    assert out.returncode == 2, out.stderr
+    assert f"{flow_file}:3" in out.stderr and "pass -a reviewer=BACKEND/MODEL" in out.stderr
+    assert "Traceback" not in out.stderr and "journal:" not in out.stderr
+    assert not runs.exists()
+
+
 def test_load_by_file_package_and_module(tmp_path: Path, runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "good.py").write_text("import shoal\n\n@shoal.flow\nasync def hello(task):\n    return 'hi ' + task\n")
     pkg = tmp_path / "pkgflow"

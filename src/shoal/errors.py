@@ -102,6 +102,14 @@ class FlowError(ShoalError):
     """A flow could not be loaded or called (bad file, bad reference, not a coroutine)."""
 
 
+class FlowArguments(FlowError, TypeError):
+    """A flow was called with arguments its `async def` does not take (or without ones it needs)."""
+
+    def __init__(self, message: str, *, missing: list[str] | None = None) -> None:
+        self.missing = list(missing or [])
+        super().__init__(message)
+
+
 class FlowDepthExceeded(FlowError):
     """A chain of flow calls went deeper than the bottom (64)."""
 

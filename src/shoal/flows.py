@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal import scope
-from shoal.errors import BudgetExceeded, FlowDepthExceeded, FlowError
+from shoal.errors import BudgetExceeded, FlowArguments, FlowDepthExceeded, FlowError
 from shoal.journal import Journal, KeptLog
 from shoal.reply import Usage
 
@@ -125,6 +125,15 @@ def current() -> Branch | None:
     return _current.get()
 
 
+def _missing(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """Names of the required parameters these arguments leave without a value."""
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
+    given = {p.name for p in positional} | set(kwargs)
+    return [p.name for p in params if p.default is p.empty and p.name not in given]
+
+
 class Flow:
     """An `async def` made a flow. Calling it returns the coroutine of one branch."""
 
@@ -152,6 +161,13 @@ class Flow:
         return Flow(self.fn, name=name or self.name, budget=budget or self.budget, runs=runs or self.runs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        try:
+            inspect.signature(self.fn).bind(*args, **kwargs)  # wrong arguments: said here, as for a function
+        except TypeError as exc:
+            code = getattr(self.fn, "__code__", None)
+            where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+            raise FlowArguments(f"flow {self.name!r}{where}: {exc}",
+                                missing=_missing(self.fn, args, kwargs)) from None
         return self._branch(args, kwargs)
 
     async def _branch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

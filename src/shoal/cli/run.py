@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 from shoal.cli.watch import add_flag, alongside
@@ -27,16 +26,30 @@ def parse_agent(spec: str) -> tuple[str, str, str]:
     return role, backend, model or "loopback"
 
 
+def _latest() -> str | None:
+    from shoal.journal import find
+
+    try:
+        return str(find())
+    except FileNotFoundError:
+        return None
+
+
 def main(args: argparse.Namespace) -> int:
     import shoal
-    from shoal.journal import find
 
     flow = shoal.load(args.flow)
     agents = {}
+    before = _latest()
     try:
         for spec in args.agent:
             role, backend, model = parse_agent(spec)
             agents[role] = shoal.Agent(backend, model=model, name=role)
+        try:
+            flow(args.task, **agents).close()  # its arguments, checked before anything starts
+        except shoal.FlowArguments as exc:
+            hint = " ".join(f"-a {name}=BACKEND/MODEL" for name in exc.missing)
+            raise shoal.FlowArguments(f"{exc}" + (f"; pass {hint}" if hint else ""), missing=exc.missing) from None
         if args.watch:
             result = alongside(lambda: shoal.run(flow, args.task, **agents))
         else:
@@ -44,8 +57,9 @@ def main(args: argparse.Namespace) -> int:
     finally:
         for agent in agents.values():
             agent.close()
-        with contextlib.suppress(FileNotFoundError):
-            print(f"journal: {find()}", file=sys.stderr)
+        latest = _latest()
+        if latest is not None and latest != before:
+            print(f"journal: {latest}", file=sys.stderr)
     if result is not None:
         print(result)
     return 0

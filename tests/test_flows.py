@@ -255,6 +255,17 @@ def test_trace_prints_the_tree_and_exports_perfetto(tmp_path: Path, runs: Path, 
     assert perfetto.events(journal.read(base=runs)) == evs
 
 
+def test_trace_of_a_run_that_is_not_there_says_so(tmp_path: Path, runs: Path) -> None:
+    env = {**os.environ, "SHOAL_RUNS": str(runs)}
+    for args, said in ((["trace"], "no runs under"), (["trace", "nosuch"], "no run 'nosuch'"),
+                       (["trace", str(tmp_path)], "not a shoal run directory")):
+        out = subprocess.run([sys.executable, "-m", "shoal.cli.main", *args], capture_output=True, text=True,
+                             timeout=60, env=env)
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    with pytest.raises(shoal.RunNotFound):
+        journal.read(base=runs)
+
+
 def test_flow_files_that_are_wrong_say_where(tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("import shoal\n\nx = (\n")

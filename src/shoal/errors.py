@@ -98,6 +98,10 @@ class WrongLoop(ShoalError, RuntimeError):
     """A blocking call was made from shoal's own event loop, where it would deadlock."""
 
 
+class RunNotFound(ShoalError, FileNotFoundError):
+    """No run by that name (or none at all) where runs are kept."""
+
+
 class FlowError(ShoalError):
     """A flow could not be loaded or called (bad file, bad reference, not a coroutine)."""
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.errors import RunNotFound
 from shoal.journal.record import runs_dir
 
 
@@ -138,17 +139,21 @@ def find(ref: str | Path | None = None, base: Path | None = None) -> Path:
     runs = sorted(p for p in root.glob("*-*") if (p / "journal.jsonl").exists()) if root.is_dir() else []
     if ref is None:
         if not runs:
-            raise FileNotFoundError(f"no runs under {root}")
+            raise RunNotFound(f"no runs under {root} yet: `shoal run` or a batch writes one there "
+                              f"(or name a run directory, or set SHOAL_RUNS to where yours are)")
         return runs[-1]
     matches = [p for p in runs if p.name.endswith(str(ref)) or p.name == str(ref)]
     if not matches:
-        raise FileNotFoundError(f"no run {ref!r} under {root}")
+        known = ", ".join(p.name for p in runs[-3:])
+        raise RunNotFound(f"no run {ref!r} under {root}" + (f" (the latest: {known})" if known else " (none yet)"))
     return matches[-1]
 
 
 def read(ref: str | Path | None = None, base: Path | None = None) -> Run:
     """Read a run back as the tree it ran as."""
     d = find(ref, base)
+    if not (d / "journal.jsonl").is_file():
+        raise RunNotFound(f"{d} holds no journal.jsonl: it is not a shoal run directory")
     records = lines(d / "journal.jsonl")
     run = Run(id=d.name.rsplit("-", 1)[-1], dir=d, began=records[0]["t"] if records else 0.0)
     calls: dict[str, Call] = {}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,22 @@ def stray(agent: shoal.Agent, settle: float = 1.0) -> list[Any]:
     """What turns left behind: the agent's tagged processes, less those its backend holds by design."""
     held = {str(pid) for pid in getattr(agent.backend, "held_pids", list)()}
     return [p for p in leftovers(agent.id, settle) if str(p).split(":")[0] not in held]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shoal_state() -> Iterator[Path]:
+    """shoal's state (agents' homes, the places registry) for this test session alone, removed at
+    its end: what a SIGKILLed shoal of a test leaves there (its agent's home) never piles up in
+    ~/.cache/shoal. Outside /tmp, as agents' homes are (codex will not put its helpers in /tmp)."""
+    state = Path.home() / ".cache" / "shoal" / "test-sessions" / str(os.getpid())
+    before = os.environ.get("SHOAL_HOME")
+    os.environ["SHOAL_HOME"] = str(state)
+    yield state
+    if before is None:
+        os.environ.pop("SHOAL_HOME", None)
+    else:
+        os.environ["SHOAL_HOME"] = before
+    shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -162,10 +162,15 @@ def test_shoal_batch_command_with_copies(tmp_path: Path, runs: Path) -> None:
     (project / "README").write_text("sample\n")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"task": f"t{i}", "prompt": f"#! write out{i}.txt {i}"}) for i in range(2)))
-    out = shoal_cli("batch", str(prompts), "--copies", str(project), "--check", "ls out*.txt", cwd=tmp_path)
+    scratch = tmp_path / "tmp"  # where the copies go: kept ones go with the test's own directory
+    scratch.mkdir()
+    out = shoal_cli("batch", str(prompts), "--copies", str(project), "--check", "ls out*.txt", cwd=tmp_path,
+                    env={"TMPDIR": str(scratch)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 passed, 0 failed" in out.stdout and "out0.txt" in out.stdout and "t1" in out.stdout
     assert "kept copy" in out.stdout  # copies holding work are kept and said so
+    kept = sorted(scratch.glob("shoal-copy-project-*"))
+    assert len(kept) == 2 and sorted(p.name for d in kept for p in d.glob("out*.txt")) == ["out0.txt", "out1.txt"]
 
 
 def test_shoal_batch_bad_input(tmp_path: Path) -> None:

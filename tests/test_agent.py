@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,39 @@ def test_a_killed_shoal_takes_its_per_turn_cli_with_it(backend: str, workdir: Pa
         proc.kill()
         proc.wait(timeout=30)
     assert leftovers(agent_id, settle=10) == []
+
+
+HOLDER = """
+import shoal, sys, time
+agent = shoal.Agent("opencode")
+agent.session(where=sys.argv[1]).run("#! say held")
+print(agent.settings.home, flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_home_of_an_agent_whose_shoal_was_killed_is_found_and_cleaned(workdir: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "SHOAL_HOME": str(tmp_path / "state")}
+    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, str(workdir)], stdout=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    try:
+        live_home, dead_home = (Path(p.stdout.readline().strip()) for p in procs if p.stdout is not None)
+        assert live_home.is_dir() and dead_home.is_dir()
+        procs[1].kill()  # nothing of that shoal runs to close its agent: its home stays behind
+        procs[1].wait(timeout=30)
+        for home in (live_home, dead_home):  # past the moment a fresh lock is given to settle
+            os.utime(home / shoal.homes.LOCK, (time.time() - 60, time.time() - 60))
+
+        def places(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "shoal.cli.main", "places", *args], capture_output=True,
+                                  text=True, timeout=60, env=env)
+
+        listed = [json.loads(line) for line in places("--json").stdout.splitlines()]
+        assert [e["path"] for e in listed if e["kind"] == "agent-home"] == [str(dead_home)]  # not the live one
+        out = places("clean")
+        assert out.returncode == 0 and f"removed  agent home {dead_home}" in out.stdout, out.stdout + out.stderr
+        assert not dead_home.exists() and live_home.is_dir()  # the home in use stays
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)

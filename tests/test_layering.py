@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 # module prefix -> layer; a module may import only from its own layer or below
 LAYERS = {
     "errors": 0, "reply": 0, "prices": 0, "loopback": 0,
-    "procs": 1, "runtime": 1, "scope": 1, "journal": 1,
+    "procs": 1, "runtime": 1, "scope": 1, "journal": 1, "homes": 1,
     "backends": 2, "places": 2, "hosts": 2,
     "session": 3, "flows": 3,
     "fleet": 4,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal import backends, fleet
+from shoal import backends, fleet, homes
 from shoal.backends.base import DEFAULT_PERMISSIONS, Settings
 from shoal.errors import AgentClosed
 from shoal.fleet import Where
@@ -165,6 +165,7 @@ class Agent:
                 self.kept.append(note)
                 log.warning("%s", note)
         await self.backend.aclose()
+        homes.release(self.settings.home, self.id)
         if self._own_home:
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(shutil.rmtree, self.settings.home, True)

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, cast
 
+from shoal import homes
 from shoal.backends.base import Backend, Conversation
 from shoal.errors import TurnFailed, TurnTimeout
 from shoal.places.base import Place
@@ -132,7 +133,8 @@ class Session:
         try:
             await self._queue.wait(ticket)
             if self._conv is None:
-                self.backend.settings.home.mkdir(parents=True, exist_ok=True)
+                # held until the agent closes, or this process ends
+                homes.claim(self.backend.settings.home, self.backend.settings.agent_id)
                 cwd = await self.place.open()
                 self._conv = Conversation(cwd=cwd, env=self.place.env())
             limit = timeout if timeout is not None else self.timeout

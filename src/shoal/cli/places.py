@@ -2,7 +2,9 @@
 
 `shoal places clean` removes only what is safe to remove — nothing in use by a running
 shoal, nothing holding uncommitted changes or commits on no other branch, no copy with
-changed files — and says, for each place it kept, why.
+changed files — and says, for each place it kept, why. It also removes the private CLI
+homes of agents whose shoal is gone without closing them (killed outright): an open agent
+holds its home (`shoal.homes`), so one nobody holds is left over.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
 
+from shoal import homes
 from shoal.places import container, copy, registry, ssh, worktree
 
 KINDS: dict[str, ModuleType] = {"worktree": worktree, "copy": copy, "container": container, "ssh": ssh}
@@ -46,10 +51,28 @@ async def _holds(entry: registry.Entry) -> str:
         return f"cannot tell ({exc})"
 
 
+def _left_homes() -> list[Path]:
+    from shoal.agent import state_dir
+
+    return homes.orphaned(state_dir() / "agents")
+
+
+def _home_line(home: Path) -> str:
+    ago = max(0.0, time.time() - home.stat().st_mtime) / 60
+    return f"{homes.size(home) / 1e6:.1f} MB, last used {ago:.0f} min ago; its shoal is gone"
+
+
 async def _list(as_json: bool) -> int:
     entries = registry.entries()
-    if not entries and not as_json:
+    left = _left_homes()
+    if not entries and not left and not as_json:
         print("shoal has made no places that are still here.")
+    for home in left:
+        if as_json:
+            print(json.dumps({"kind": "agent-home", "path": str(home), "state": "left over",
+                              "holds": _home_line(home)}))
+        else:
+            print(f"{'agent ' + home.name:<22} {'left over':<16} {home}\n{'':<22} {_home_line(home)}")
     for entry in entries:
         state = f"in use by pid {entry['pid']}" if registry.in_use(entry) else entry.get("status", "?")
         holds = await _holds(entry)
@@ -92,6 +115,13 @@ async def _clean(dry_run: bool) -> int:
             registry.update(entry["id"], status="kept", holds=why)
             kept += 1
         print(f"{'removed' if ok else 'kept':<8} {where}: {why}")
+    for home in _left_homes():
+        if dry_run:
+            print(f"would remove agent home {home}: {_home_line(home)}")
+            continue
+        await asyncio.to_thread(shutil.rmtree, home, True)
+        print(f"removed  agent home {home}: its shoal is gone without closing it")
+        removed += 1
     print(f"{removed} removed, {kept} kept")
     return 0
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
-from shoal import backends
+from shoal import backends, homes
 from shoal.backends.base import Backend, Conversation, Settings
 from shoal.errors import TurnFailed
 from shoal.hosts.results import Snapshots, push_branch
@@ -162,7 +162,7 @@ class SessionHost:
                    patch: str) -> dict[str, Any]:
         """Make the place on this node; pick up the conversation if this node's home holds it."""
         home = self.settings.home
-        home.mkdir(parents=True, exist_ok=True)
+        homes.claim(home, str(id(self)))  # every actor of the agent on this node holds it while it lives
         self.backend = backends.make(self.settings)  # the CLI as installed on this node
         cwd = await place.open()
         self.place = place
@@ -266,6 +266,7 @@ class SessionHost:
         if self.backend is not None:
             with contextlib.suppress(Exception):
                 await self.backend.aclose()
+        homes.release(self.settings.home, str(id(self)))
         if remove_home:  # a home shoal made for the agent, on a machine the caller is not on
             await asyncio.to_thread(shutil.rmtree, self.settings.home, True)
         with contextlib.suppress(OSError):

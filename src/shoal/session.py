@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import queue
 import time
 import uuid
@@ -29,6 +30,8 @@ from shoal.scope import Kept, Scope, current_scope
 
 if TYPE_CHECKING:
     Sink = Callable[[Event], object]
+
+log = logging.getLogger("shoal")
 
 
 class _Turns:
@@ -207,7 +210,11 @@ class Session:
         source = self.backend.log(self._conv)
         if source is None:
             return None
-        self._log = scope.keep_log(source)
+        try:
+            self._log = scope.keep_log(source)
+        except OSError as exc:  # a record that cannot link the log is still a record; the turn goes on
+            log.warning("could not link %s into the run's record: %s", source, exc)
+            return None
         if self._log is not None and kind is not None:
             scope.record(kind, session=self.id, log=self._log.link, source=str(source))
         return self._log.link if self._log is not None else None

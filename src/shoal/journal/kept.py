@@ -21,7 +21,8 @@ class KeptLog:
         self.holders = 0
         self._lock = threading.Lock()
 
-    def link_live(self) -> None:
+    def hold(self) -> None:
+        """One more session writes to it: the link is to the live file until the last settles."""
         with self._lock:
             self.path.parent.mkdir(exist_ok=True)
             if not self.path.is_symlink():
@@ -30,6 +31,7 @@ class KeptLog:
                     tmp.unlink()
                 tmp.symlink_to(self.source)  # may not exist yet: the CLI writes it on its first turn
                 os.replace(tmp, self.path)
+            self.holders += 1
 
     def settle(self, source: Path | None = None) -> None:
         """One holder is done; the last one swaps the link for a copy of the file as it is now."""

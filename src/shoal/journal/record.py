@@ -67,6 +67,5 @@ class Journal:
                     name = f"{n}-{source.name}"
                 self._names.add(name)
                 kept = self._kept[source] = KeptLog(self.dir, f"logs/{name}", source)
-            kept.holders += 1
-        kept.link_live()
+        kept.hold()
         return kept

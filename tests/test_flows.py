@@ -254,6 +254,15 @@ def test_trace_prints_the_tree_and_exports_perfetto(tmp_path: Path, runs: Path, 
     assert sum(n.startswith("session ") for n in names) == 12
     assert perfetto.events(journal.read(base=runs)) == evs
 
+    out = subprocess.run([sys.executable, "-m", "shoal.cli.main", "trace", "--json"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "SHOAL_RUNS": str(runs)})
+    tree = json.loads(out.stdout)  # one JSON document, nothing else on stdout
+    (root,) = tree["calls"]
+    assert root["flow"] == "fanout" and [c["flow"] for c in root["calls"]] == ["leaf"] * 3
+    assert [len(c["sessions"]) for c in root["calls"]] == [4, 4, 4]
+    assert all(s["turns"][0]["status"] == "ok" and s["log"] for c in root["calls"] for s in c["sessions"])
+    assert tree["tokens"] == root["tokens"] == sum(c["tokens"] for c in root["calls"]) > 0
+
 
 def test_trace_of_a_run_that_is_not_there_says_so(tmp_path: Path, runs: Path) -> None:
     env = {**os.environ, "SHOAL_RUNS": str(runs)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -16,6 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("trace", help="print a run as a tree (latest run by default)")
     p.add_argument("run", nargs="?", help="run directory or id (default: the latest under .shoal/runs)")
     p.add_argument("--perfetto", type=Path, metavar="OUT.json", help="also write Chrome trace-event JSON")
+    p.add_argument("--json", action="store_true", help="print the tree as JSON (for jq and scripts)")
     p.set_defaults(func=main)
 
 
@@ -58,8 +60,11 @@ def main(args: argparse.Namespace) -> int:
     from shoal import journal, perfetto
 
     run = journal.read(args.run)
-    console = Console()
-    console.print(render(run))
+    console = Console(stderr=args.json)  # with --json, stdout holds the JSON alone
+    if args.json:
+        print(json.dumps(journal.as_dict(run)))
+    else:
+        console.print(render(run))
     if args.perfetto:
         perfetto.export(run, args.perfetto)
         console.print(f"perfetto trace: {args.perfetto} (open it at ui.perfetto.dev)")

@@ -11,6 +11,7 @@ the tree. `record.py` writes it, `kept.py` keeps the CLIs' logs with it, `tree.p
 
 from shoal.journal.kept import KeptLog
 from shoal.journal.record import Journal, runs_dir
-from shoal.journal.tree import Call, Run, SessionNode, Turn, find, lines, read
+from shoal.journal.tree import Call, Run, SessionNode, Turn, as_dict, find, lines, read
 
-__all__ = ["Call", "Journal", "KeptLog", "Run", "SessionNode", "Turn", "find", "lines", "read", "runs_dir"]
+__all__ = ["Call", "Journal", "KeptLog", "Run", "SessionNode", "Turn", "as_dict", "find", "lines", "read",
+           "runs_dir"]

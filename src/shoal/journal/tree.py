@@ -216,3 +216,24 @@ def _session(sid: str, sessions: dict[str, SessionNode], owner: dict[str, str | 
         call = calls.get(owner.get(sid) or "")
         (call.sessions if call else run.sessions).append(node)
     return sessions[sid]
+
+
+def as_dict(run: Run) -> dict[str, Any]:
+    """The run as plain data (for `shoal trace --json`): every node with its figures rolled up."""
+
+    def session(s: SessionNode) -> dict[str, Any]:
+        return {"id": s.id, "name": s.name, "agent": s.agent, "backend": s.backend, "model": s.model,
+                "place": s.place, "backend_session": s.backend_session, "log": str(s.log) if s.log else None,
+                "status": s.status, "tokens": s.tokens, "cost": s.cost,
+                "turns": [{"number": t.number, "prompt": t.prompt, "status": t.status, "began": t.began,
+                           "ended": t.ended, "seconds": t.seconds, "tokens": t.tokens, "cost": t.cost,
+                           "error": t.error, "tools": t.tools} for t in s.turns]}
+
+    def call(c: Call) -> dict[str, Any]:
+        return {"id": c.id, "flow": c.flow, "status": c.status, "error": c.error, "began": c.began,
+                "ended": c.ended, "seconds": c.seconds, "tokens": c.tokens, "cost": c.cost,
+                "sessions": [session(s) for s in c.sessions], "calls": [call(k) for k in c.children]}
+
+    return {"id": run.id, "dir": str(run.dir), "name": run.name, "status": run.status, "began": run.began,
+            "ended": run.ended, "seconds": run.seconds, "tokens": run.tokens, "cost": run.cost,
+            "sessions": [session(s) for s in run.sessions], "calls": [call(c) for c in run.roots]}

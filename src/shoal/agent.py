@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal import backends, fleet, homes
 from shoal.backends.base import DEFAULT_PERMISSIONS, Settings
-from shoal.errors import AgentClosed
+from shoal.errors import AgentClosed, BadArgument, BadModel, BadSetting, number, strings
 from shoal.fleet import Where
 from shoal.places import Place, as_place
 from shoal.runtime import runtime
@@ -40,6 +40,40 @@ def state_dir() -> Path:
     if os.environ.get("SHOAL_HOME"):
         return Path(os.environ["SHOAL_HOME"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shoal"
+
+
+PERMISSION_ACTIONS = ("allow", "deny", "ask")
+
+
+def _check_settings(backend: object, model: object, permissions: object, env: object, args: object,
+                    home: object, turn_timeout: object, hosts: object) -> None:
+    """Settings shoal cannot use are refused here, before anything starts (BadSetting / BadArgument)."""
+    if not isinstance(model, str):
+        raise BadModel(f"model must be a string ('loopback', or e.g. 'anthropic/claude-sonnet-4-5'), got {model!r}")
+    if permissions is not None:
+        if not isinstance(permissions, dict):
+            raise BadArgument(f"permissions must be a dict of rule -> 'allow'/'deny'/'ask', "
+                              f"e.g. {{'bash': 'deny'}}; got {permissions!r}")
+        for key, action in permissions.items():
+            if not isinstance(key, str):
+                raise BadArgument(f"permission rule {key!r} must be a string (a tool, or tool:pattern)")
+            if backend == "codex" and key == "sandbox":
+                continue  # codex's sandbox mode by name (checked by the codex backend)
+            if action not in PERMISSION_ACTIONS:
+                raise BadSetting(f"permission {key!r}: {action!r} is not allow, deny or ask")
+    if env is not None and (not isinstance(env, dict)
+                            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise BadArgument(f"env must be a dict of str -> str, e.g. {{'ANTHROPIC_API_KEY': '...'}}; got {env!r}")
+    if args is not None:
+        strings("args", args, example="['--verbose']")
+    if home is not None:
+        if not isinstance(home, (str, Path)):
+            raise BadArgument(f"home must be a directory path, got {home!r}")
+        if Path(home).expanduser().exists() and not Path(home).expanduser().is_dir():
+            raise BadSetting(f"home {home} exists and is not a directory; pass a directory (or leave home unset)")
+    number("turn_timeout (seconds)", turn_timeout, hint="; None means no limit")
+    if hosts is not None and not callable(getattr(hosts, "attach", None)):
+        raise BadArgument(f"hosts must be a host for sessions such as shoal.Ray(...), got {hosts!r}")
 
 
 class Agent:
@@ -60,6 +94,7 @@ class Agent:
         transport: str | None = None,
         hosts: Host | None = None,
     ) -> None:
+        _check_settings(backend, model, permissions, env, args, home, turn_timeout, hosts)
         self.id = uuid.uuid4().hex[:10]
         self.name = name or f"{backend}-{self.id[:6]}"
         self._own_home = home is None  # a home shoal made is removed with the agent
@@ -133,7 +168,7 @@ class Agent:
 
     async def _batch(self, prompts: Sequence[Any], where: Where, limit: int | None, suppress: bool,
                      guardrails: dict[str, Any]) -> list[Any]:
-        opts = fleet.Options(where=where, limit=limit, suppress=suppress, **guardrails)
+        opts = fleet.options(where, limit, suppress, guardrails)
         return await fleet.run_batch(self, prompts, opts)
 
     def clone(self, **changes: Any) -> Agent:

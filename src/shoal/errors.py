@@ -21,6 +21,11 @@ class BadSetting(ShoalError, ValueError):
     """A setting shoal cannot use (a transport, a permission, a batch option); nothing was started."""
 
 
+class BadArgument(BadSetting, TypeError):
+    """A setting or argument of the wrong type (a str where a list goes, a str for a number);
+    nothing was started. Both `except ValueError` and `except TypeError` catch it."""
+
+
 class AgentClosed(ShoalError, RuntimeError):
     """The agent was closed; open a new one (or `clone` it) for more sessions."""
 
@@ -169,5 +174,33 @@ class CanaryFailed(ShoalError):
     """The first unit of a batch, run alone, failed: none of the rest were started."""
 
 
+class CannotWrite(ShoalError, OSError):
+    """A file shoal was asked to write (e.g. `shoal trace --perfetto OUT`) cannot be written there."""
+
+
 class NotStarted(ShoalError):
     """A unit that was never started (the batch's cost cap was reached first)."""
+
+
+# --- checks of what a caller passed, shared by the modules that take settings ------------------
+
+
+def number(what: str, value: object, *, minimum: float = 0.0, above: bool = True, integer: bool = False,
+           optional: bool = True, hint: str = "") -> None:
+    """Refuse `value` unless it is a number (an int if `integer`) above (or at least) `minimum`;
+    None passes when `optional`. `what` names the setting in the message."""
+    if value is None and optional:
+        return
+    kind = "a whole number" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        none = " (or None)" if optional else ""
+        raise BadArgument(f"{what} must be {kind}{none}, got {value!r} ({type(value).__name__}){hint}")
+    if value != value or (value <= minimum if above else value < minimum):  # NaN is no number either
+        bound = f"more than {minimum:g}" if above else f"at least {minimum:g}"
+        raise BadSetting(f"{what} must be {bound}, got {value!r}{hint}")
+
+
+def strings(what: str, value: object, *, example: str) -> None:
+    """Refuse `value` unless it is a list or tuple of str (a lone str is the usual slip)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise BadArgument(f"{what} must be a list of strings, e.g. {example}; got {value!r}")

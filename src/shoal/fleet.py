@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.errors import (
+    BadArgument,
     BadSetting,
     BudgetExceeded,
     CanaryFailed,
@@ -35,6 +36,7 @@ from shoal.errors import (
     ShoalError,
     Stuck,
     TurnFailed,
+    number,
 )
 from shoal.flows import Flow
 from shoal.places.base import Place
@@ -87,23 +89,62 @@ class Options:
     on_update: Callable[[list[Unit]], None] | None = None
 
 
+def options(where: Where, limit: int | None, suppress: bool, guardrails: dict[str, Any]) -> Options:
+    """The batch's Options; a guardrail that is not one (a typo) is refused, naming the ones there are."""
+    known = [f.name for f in dataclasses.fields(Options) if f.name not in ("where", "limit", "suppress")]
+    unknown = sorted(set(guardrails) - set(known))
+    if unknown:
+        raise BadArgument(f"unknown batch guardrail(s) {', '.join(map(repr, unknown))}; "
+                          f"the guardrails are {', '.join(known)}")
+    return Options(where=where, limit=limit, suppress=suppress, **guardrails)
+
+
 def normalise(prompts: Sequence[str | tuple[str, str] | dict[str, str]]) -> list[tuple[str, str]]:
     """(task, prompt) pairs from plain prompts, (task, prompt) tuples or {"task", "prompt"} dicts."""
+    if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
+        raise BadArgument(f"a batch takes a list of prompts (one unit each), got a {type(prompts).__name__}"
+                          + (": wrap a single prompt in a list, [prompt]" if isinstance(prompts, str) else ""))
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
-            out.append((f"unit-{i}", p))
+            task, prompt = f"unit-{i}", p
         elif isinstance(p, dict):
-            out.append((str(p.get("task") or f"unit-{i}"), str(p["prompt"])))
+            if "prompt" not in p:
+                raise BadSetting(f"prompt {i}: {p!r} has no 'prompt'; a dict prompt is {{'task': ..., 'prompt': ...}}")
+            task, prompt = str(p.get("task") or f"unit-{i}"), p["prompt"]
+        elif isinstance(p, tuple) and len(p) == 2:
+            task, prompt = str(p[0]), p[1]
         else:
-            out.append((str(p[0]), str(p[1])))
+            raise BadArgument(f"prompt {i}: {p!r} is not a prompt; a prompt is a str, a (task, prompt) tuple "
+                              "or a {'task': ..., 'prompt': ...} dict")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BadSetting(f"prompt {i} ({task}): {prompt!r} is not a prompt (a non-empty str)")
+        out.append((task, prompt))
     return out
 
 
 def validate(units: list[tuple[str, str]], opts: Options) -> None:
     """Bad input is refused before anything starts."""
-    if opts.limit is not None and opts.limit < 1:
-        raise BadSetting(f"limit must be at least 1, got {opts.limit}")
+    number("limit", opts.limit, minimum=1, above=False, integer=True, hint="; None runs every unit at once")
+    number("retries", opts.retries, minimum=0, above=False, integer=True, optional=False)
+    number("cost_cap (dollars)", opts.cost_cap, hint="; None means no cap")
+    number("check_timeout (seconds)", opts.check_timeout, optional=False)
+    if opts.check is not None and not isinstance(opts.check, str):
+        raise BadArgument(f"check must be a shell command (a str), e.g. 'pytest -q'; got {opts.check!r}")
+    if opts.on_update is not None and not callable(opts.on_update):
+        raise BadArgument(f"on_update must be callable (it is called with the units), got {opts.on_update!r}")
+    if not isinstance(opts.retry_directives, str):
+        raise BadArgument(f"retry_directives must be a str, got {opts.retry_directives!r}")
+    try:
+        opts.retry_prompt.format(command="", exit_code=0, output="", prompt="", retry_directives="")
+    except (AttributeError, KeyError, IndexError, ValueError) as exc:
+        raise BadSetting(f"retry_prompt {opts.retry_prompt!r} cannot be filled in ({type(exc).__name__}: {exc}); "
+                         "it may use {command}, {exit_code}, {output}, {prompt} and {retry_directives} "
+                         "(double other braces: {{ }})") from None
+    if opts.where is not None and not callable(opts.where) and not isinstance(opts.where, (str, Path)) \
+            and not callable(getattr(opts.where, "check", None)):
+        raise BadArgument(f"where= must be a directory, a place, or a function (index, task) -> place; "
+                          f"got {opts.where!r}")
     if opts.check:
         try:
             first = shlex.split(opts.check)[0]
@@ -260,11 +301,15 @@ async def run_check(command: str, cwd: Path, timeout: float) -> Check:
     started = time.monotonic()
     proc = await Proc.spawn(["bash", "-c", command], cwd=cwd, env=os.environ)
     out: list[str] = []
+    code: int | None = None
     try:
         async with asyncio.timeout(timeout):
             while line := await proc.readline():
                 out.append(line.decode(errors="replace").rstrip("\n"))
             code = await proc.wait()
+    except TimeoutError:
+        await proc.stop()  # a check that ran too long failed: the unit's failure, not the batch's
+        out.append(f"shoal: the check ran past its {timeout:g} s (check_timeout) and was stopped")
     except BaseException:
         await proc.stop()
         raise

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal import scope
-from shoal.errors import BudgetExceeded, FlowArguments, FlowDepthExceeded, FlowError
+from shoal.errors import BadArgument, BudgetExceeded, FlowArguments, FlowDepthExceeded, FlowError, number
 from shoal.journal import Journal, KeptLog
 from shoal.reply import Usage
 
@@ -42,6 +42,12 @@ class Budget:
     cost: float | None = None  # dollars
     tokens: int | None = None
     seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        # a budget that could never be met (or compared) is refused here, not when the first turn ends
+        number("Budget cost (dollars)", self.cost, hint="; None means no limit")
+        number("Budget tokens", self.tokens, integer=True, hint="; None means no limit")
+        number("Budget seconds", self.seconds, hint="; None means no limit")
 
 
 class _Run:
@@ -155,6 +161,9 @@ class Flow:
     def options(self, *, budget: Budget | None = None, timeout: float | None = None,
                 name: str | None = None, runs: Path | None = None) -> Flow:
         """This flow with a budget, a deadline (`timeout` seconds), a name or a runs directory."""
+        number("timeout (seconds)", timeout, hint="; None means no deadline")
+        if budget is not None and not isinstance(budget, Budget):
+            raise BadArgument(f"budget must be a shoal.Budget(cost=..., tokens=..., seconds=...), got {budget!r}")
         if timeout is not None:
             base = budget or self.budget or Budget()
             budget = Budget(base.cost, base.tokens, seconds=timeout)

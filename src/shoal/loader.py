@@ -23,6 +23,9 @@ from shoal.runtime import runtime
 
 def load(ref: str | Path) -> Flow:
     """`path/to/flows.py[:name]`, `path/to/package[:name]` or `package.module[:name]`."""
+    if not isinstance(ref, (str, Path)) or not str(ref).strip():
+        raise FlowError(f"a flow reference is 'path/to/flows.py[:name]', 'path/to/package[:name]' or "
+                        f"'package.module[:name]'; got {ref!r}")
     text = str(ref)
     target, _, name = text.partition(":") if not Path(text).exists() else (text, "", "")
     path = Path(target)
@@ -104,5 +107,13 @@ def _names(module: ModuleType) -> str:
 
 def run(target: Flow | str | Path, *args: Any, **kwargs: Any) -> Any:
     """The blocking entry: run a flow (or a reference `load` understands) to its end."""
-    f = target if isinstance(target, Flow) else load(target)
+    if isinstance(target, Flow):
+        f = target
+    elif isinstance(target, (str, Path)):
+        f = load(target)
+    elif callable(target):
+        f = _as_flow(target, repr(target))  # an `async def` not marked @shoal.flow runs as one; else FlowError
+    else:
+        raise FlowError(f"shoal.run takes a flow (an `async def` marked @shoal.flow) or a reference to one "
+                        f"('file.py[:name]', 'module:name'); got {target!r}")
     return runtime.call(f(*args, **kwargs))

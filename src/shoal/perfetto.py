@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shoal.errors import CannotWrite
 from shoal.journal import Run
 
 
@@ -48,5 +49,10 @@ def events(run: Run) -> list[dict[str, Any]]:
 
 
 def export(run: Run, path: Path) -> Path:
-    path.write_text(json.dumps({"traceEvents": events(run), "displayTimeUnit": "ms"}))
+    text = json.dumps({"traceEvents": events(run), "displayTimeUnit": "ms"})
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise CannotWrite(f"cannot write the perfetto trace to {path}: {exc.strerror or exc}; "
+                          "pass a path in a directory that exists and can be written") from None
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.errors import BadArgument
 from shoal.reply import Usage
 
 
@@ -21,6 +22,9 @@ PRICES: dict[str, Price] = {
 
 
 def set_price(model: str, price: Price) -> None:
+    if not isinstance(model, str) or not model or not isinstance(price, Price):
+        raise BadArgument(f"set_price takes a model name and a shoal.Price(input=..., output=...), "
+                          f"got {model!r}, {price!r}")
     PRICES[model] = price
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, cast
 
 from shoal import homes
 from shoal.backends.base import Backend, Conversation
-from shoal.errors import TurnFailed, TurnTimeout
+from shoal.errors import BadArgument, BadSetting, TurnFailed, TurnTimeout, number
 from shoal.places.base import Place
 from shoal.prices import priced
 from shoal.reply import Event, Notice, Reply, Started, StepUsage, Text, ToolFinished, ToolStarted, Usage
@@ -105,14 +105,17 @@ class Session:
 
     def run(self, prompt: str, *, timeout: float | None = None) -> Reply:
         """Run one turn and wait for its Reply here (blocking twin of `arun`)."""
+        _check_turn(prompt, timeout)
         return runtime.call(self._turn(prompt, timeout, None))
 
     async def arun(self, prompt: str, *, timeout: float | None = None) -> Reply:
         """Run one turn; the caller's loop is free meanwhile (awaited twin of `run`)."""
+        _check_turn(prompt, timeout)
         return await runtime.acall(self._turn(prompt, timeout, None))
 
     def stream(self, prompt: str, *, timeout: float | None = None) -> TurnStream:
         """The turn's events as they happen, then its Reply: `for` or `async for` over it."""
+        _check_turn(prompt, timeout)
         return TurnStream(self, prompt, timeout)
 
     def close(self) -> str | None:
@@ -253,6 +256,15 @@ class Session:
             if kept is not None:
                 await asyncio.to_thread(kept.settle, self.backend.log(self._conv))
         return await self.place.close()
+
+
+def _check_turn(prompt: object, timeout: object) -> None:
+    """A turn that could only fail (or be wasted) is refused before it starts."""
+    if not isinstance(prompt, str):
+        raise BadArgument(f"a prompt is a str, got {prompt!r} ({type(prompt).__name__})")
+    if not prompt.strip():
+        raise BadSetting("the prompt is empty; a turn needs something to do (nothing was sent)")
+    number("timeout (seconds)", timeout, hint="; None means the agent's turn_timeout")
 
 
 def _ignore(kind: str, **fields: object) -> None:

@@ -51,6 +51,8 @@ def sandbox_mode(permissions: dict[str, str]) -> str:
     explicit = permissions.get("sandbox")
     if explicit in SANDBOXES:
         return str(explicit)
+    if explicit is not None:
+        raise BadSetting(f"permission 'sandbox': {explicit!r} is not a codex sandbox; one of {', '.join(SANDBOXES)}")
     if permissions.get("edit") == "deny" or permissions.get("bash") == "deny":
         return "read-only"
     return "danger-full-access"

@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from shoal.cli.watch import add_flag, alongside
@@ -50,9 +51,13 @@ def read_prompts(path: Path) -> list[tuple[str, str]]:
         if line.lstrip().startswith("{"):
             try:
                 item = json.loads(line)
-                out.append((str(item.get("task") or f"unit-{i}"), str(item["prompt"]).replace("\\n", "\n")))
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise SystemExit(f"shoal batch: {path}:{i + 1}: not a JSON object with a prompt ({exc})") from None
+                prompt = item["prompt"]
+                if not isinstance(prompt, str) or not prompt.strip():
+                    raise ValueError(f"its prompt is {prompt!r}, not a non-empty string")
+                out.append((str(item.get("task") or f"unit-{i}"), prompt.replace("\\n", "\n")))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise SystemExit(f"shoal batch: {path}:{i + 1}: not a JSON object with a prompt ({why})") from None
         else:
             out.append((f"unit-{i}", line.replace("\\n", "\n")))
     return out
@@ -74,6 +79,8 @@ def place_factory(args: argparse.Namespace) -> Any:
         if not args.copies.is_dir():
             raise SystemExit(f"shoal batch: {args.copies} is not a directory; nothing was started")
         return lambda i, task: shoal.Copy(args.copies, keep="changed")
+    if args.here and not args.here.is_dir():
+        raise SystemExit(f"shoal batch: {args.here} is not a directory; nothing was started")
     return args.here or Path.cwd()
 
 
@@ -151,6 +158,10 @@ def main(args: argparse.Namespace) -> int:
         units = sorted(seen, key=lambda u: u.index)
         console.print(table(units, f"shoal batch: {len(units)} units, one {backend} agent", final=True))
         failed = [u for u in units if u.status != "passed"]
+        for u in failed:  # the table says that a unit failed; this says why
+            why = u.error or (str(u.outcome).splitlines()[0] if isinstance(u.outcome, BaseException) else "")
+            if why:
+                console.print(f"[red]{escape(u.task)}[/]: {escape(why)}", highlight=False)
         total = sum(u.usage.cost for u in units)
         console.print(f"{len(units) - len(failed)} passed, {len(failed)} failed; "
                       f"{sum(u.usage.total_tokens for u in units)} tokens, ${total:.4f}")

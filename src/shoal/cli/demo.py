@@ -47,6 +47,8 @@ def final_table(out: Outcome) -> Table:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.conversations < 1:
+        raise SystemExit(f"shoal demo: -n must be at least 1 (got {args.conversations})")
     console = Console() if sys.stdout.isatty() else Console(width=160)  # a log keeps whole rows
 
     async def run() -> Outcome:

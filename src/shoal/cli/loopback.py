@@ -17,8 +17,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def main(args: argparse.Namespace) -> int:
     from shoal.loopback import LoopbackModel
 
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"shoal loopback: --port must be 0-65535 (0: any free one), got {args.port}")
+    if args.log is not None:
+        try:  # every request is appended to it: a log that cannot be written is said now, not per request
+            with open(args.log, "a"):
+                pass
+        except OSError as exc:
+            raise SystemExit(f"shoal loopback: cannot write --log {args.log}: {exc.strerror}") from None
     model = LoopbackModel(port=args.port, log_path=args.log)
-    model.start()
+    try:
+        model.start()
+    except OSError as exc:
+        raise SystemExit(f"shoal loopback: cannot listen on 127.0.0.1:{args.port}: {exc.strerror}; "
+                         "pick another --port, or leave it out for any free one") from None
     print(f"shoal loopback model on {model.url}", flush=True)
     print(f"  opencode / codex: base URL {model.url}/v1    claude: ANTHROPIC_BASE_URL={model.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):

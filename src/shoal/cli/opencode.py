@@ -50,6 +50,13 @@ def main(args: argparse.Namespace) -> int:
     if warning:
         print(f"shoal: warning: {warning}", file=sys.stderr)
     directory = (args.dir or Path.cwd()).resolve()
+    if not directory.is_dir():
+        raise ShoalError(f"--dir {directory} is not a directory; pass the project directory to serve")
+    if not 1 <= args.port <= 65535:
+        raise ShoalError(f"--port must be 1-65535, got {args.port}")
+    busy = _port_taken(args.host, args.port)
+    if busy:
+        raise ShoalError(f"cannot listen on {args.host}:{args.port}: {busy}; pick another --port")
     home = args.home or state_dir() / "opencode-serve"
     with shoal.Agent("opencode", model=args.model, home=home, transport="server") as agent:
         runtime.call(_serve(agent, directory, args.host, args.port, explicit or secrets.token_urlsafe(18)))
@@ -71,6 +78,23 @@ async def _serve(agent: Agent, directory: Path, host: str, port: int, password: 
         print(f"shoal: the opencode server exited (code {code})\n{server.proc.stderr_tail()}", file=sys.stderr)
     finally:
         await server.close()
+
+
+def _port_taken(host: str, port: int) -> str:
+    """Why `host:port` cannot be listened on ("" if it can): said before opencode starts, which
+    would only say "ServeError"."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r} ({exc})"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return ""
 
 
 def _tell(url: str, host: str, password: str, directory: Path, cli: str) -> None:

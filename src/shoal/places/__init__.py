@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shoal.errors import BadArgument
 from shoal.places.base import Place
 from shoal.places.container import Container
 from shoal.places.copy import Copy
@@ -18,6 +19,9 @@ def as_place(where: Place | str | Path | None) -> Place:
         return Here(Path.cwd())
     if isinstance(where, (str, Path)):
         return Here(where)
+    if not all(callable(getattr(where, m, None)) for m in ("check", "open", "close", "describe")):
+        raise BadArgument(f"where= must be a directory (str or Path) or a place such as shoal.Copy(...) or "
+                          f"shoal.Worktree(...); got {where!r}")
     return where
 
 

@@ -11,6 +11,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from shoal.errors import BadArgument, BadSetting
+
+KEEPS = ("changed", "always", "never")
+
+
+def check_keep(keep: object) -> None:
+    """`keep=` of a Copy or a Worktree: a misspelt one must not decide that work is deleted."""
+    if keep not in KEEPS:
+        raise BadSetting(f"keep={keep!r} is not one of {', '.join(repr(k) for k in KEEPS)} "
+                         "('changed', the default, keeps a place that holds work)")
+
+
+def check_path(what: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise BadArgument(f"{what} must be a directory path (str or Path), got {value!r}")
+
 
 @runtime_checkable
 class Place(Protocol):

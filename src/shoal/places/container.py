@@ -33,7 +33,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import EngineNotFound, ImageNotFound, PlaceError
+from shoal.errors import BadArgument, EngineNotFound, ImageNotFound, PlaceError, strings
 from shoal.places import registry, shim
 from shoal.places.base import Place
 from shoal.places.short import end_turn, run_short
@@ -81,6 +81,16 @@ class Container:
         directory is used (e.g. `Worktree(...)`: a worktree apiece inside a container apiece).
         `network`: the engine's --network value (default: the engine's default).
         `options`: more `run` options, e.g. ["--memory", "2g", "-v", "/data:/data:ro"]."""
+        if not isinstance(image, str) or not image.strip():
+            raise BadArgument(f"Container needs an image name, e.g. shoal.Container('debian:12'); got {image!r}")
+        if not isinstance(engine, str) or not engine:
+            raise BadArgument(f"Container's engine must be a command name such as 'podman' or 'docker', got {engine!r}")
+        if network is not None and not isinstance(network, str):
+            raise BadArgument(f"Container's network must be the engine's --network value (a str), got {network!r}")
+        if path is not None and not isinstance(path, (str, Path)) and not callable(getattr(path, "check", None)):
+            raise BadArgument(f"Container's path must be a directory or a place such as shoal.Worktree(...), "
+                              f"got {path!r}")
+        strings("Container's options", options, example="['--memory', '2g']")
         self.image = image
         self.engine = engine
         self.inner: Place | None = path if path is not None and not isinstance(path, (str, Path)) else None

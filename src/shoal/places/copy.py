@@ -22,6 +22,7 @@ from typing import Literal
 
 from shoal.errors import PlaceError
 from shoal.places import registry
+from shoal.places.base import check_keep, check_path
 
 Keep = Literal["changed", "always", "never"]
 
@@ -89,6 +90,9 @@ class Copy:
     kind = "copy"
 
     def __init__(self, source: str | Path, *, keep: Keep = "changed", root: str | Path | None = None) -> None:
+        check_path("Copy's source", source)
+        check_path("Copy's root", root, optional=True)
+        check_keep(keep)
         self.source = Path(source).expanduser().absolute()
         self.keep = keep
         self.root = Path(root) if root else None
@@ -98,6 +102,8 @@ class Copy:
     def check(self) -> None:
         if not self.source.is_dir():
             raise PlaceError(f"cannot copy {self.source}: it is not a directory")
+        if self.root is not None and self.root.exists() and not self.root.is_dir():
+            raise PlaceError(f"cannot put copies under {self.root}: it is not a directory; pass another root=")
 
     async def open(self) -> Path:
         self.check()

@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import HostUnreachable, KeyRefused, PlaceError
+from shoal.errors import BadArgument, BadSetting, HostUnreachable, KeyRefused, PlaceError, number, strings
 from shoal.places import registry, shim
 from shoal.places.short import end_turn, run_short, sweep
 from shoal.procs import Proc
@@ -71,8 +71,16 @@ class SSH:
         """`target`: "user@host:/path" (a relative path is from the remote home). `key`: the private
         key to use (default: ssh's own choice). `known_hosts`: a known_hosts file (default: the
         user's; new hosts are accepted on first use). `options`: more ssh options ("-o", "K=V", ...)."""
+        if not isinstance(target, str):
+            raise BadArgument(f"ssh target must be a string 'user@host:/path', got {target!r}")
+        if port is not None:
+            number("ssh port", port, integer=True)
+            if port > 65535:
+                raise BadSetting(f"ssh port must be 1-65535, got {port}")
+        strings("SSH's options", options, example="['-o', 'Compression=yes']")
+        number("SSH's connect_timeout (seconds)", connect_timeout, optional=False)
         m = TARGET.match(target)
-        if m is None or not m["host"]:
+        if m is None or not m["host"] or "@" in m["host"]:
             raise PlaceError(f"ssh target {target!r} is not of the form user@host:/path")
         self.target = target
         self.dest = f"{m['user']}@{m['host']}" if m["user"] else m["host"]

@@ -30,8 +30,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
-from shoal.errors import DirtyBase, NotAGitRepo, PlaceError
+from shoal.errors import BadArgument, DirtyBase, NotAGitRepo, PlaceError
 from shoal.places import registry
+from shoal.places.base import check_keep, check_path
 
 Keep = Literal["changed", "always", "never"]
 GIT_TIMEOUT = 60.0
@@ -143,6 +144,13 @@ class Worktree:
         """`base`: what the branch starts from. `allow_dirty`: branch even when the repo has
         uncommitted changes (they are not carried over). `keep`: "changed" (default) keeps a
         worktree holding work; "always" keeps every one; "never" removes it whatever it holds."""
+        check_path("Worktree's repo", repo)
+        check_path("Worktree's root", root, optional=True)
+        check_keep(keep)
+        if task is not None and not isinstance(task, str):
+            raise BadArgument(f"Worktree's task must be a string (it names the branch shoal/<task>), got {task!r}")
+        if not isinstance(base, str) or not base:
+            raise BadArgument(f"Worktree's base must be a commit-ish string such as 'HEAD' or 'main', got {base!r}")
         self.repo_arg = Path(repo).expanduser().absolute()
         self.task = slug(task) if task else f"task-{uuid.uuid4().hex[:6]}"
         self.base = base
@@ -159,6 +167,8 @@ class Worktree:
     def check(self) -> None:
         if not self.repo_arg.is_dir():
             raise NotAGitRepo(f"cannot make a worktree of {self.repo_arg}: no such directory")
+        if self.root is not None and self.root.exists() and not self.root.is_dir():
+            raise PlaceError(f"cannot put worktrees under {self.root}: it is not a directory; pass another root=")
         if find_repo(self.repo_arg) is None:
             raise NotAGitRepo(f"cannot make a worktree of {self.repo_arg}: it is not inside a git repository "
                               f"(`git init` it, or pass a repository's path)")

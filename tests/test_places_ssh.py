@@ -156,13 +156,15 @@ def test_nothing_outlives_a_killed_shoal(sshd: Sshd, tmp_path: Path) -> None:
 
 
 RUNNER = """
-import shoal, sys
+import shoal, sys, time
 port, key, known_hosts, target, command = sys.argv[1:]
 place = shoal.SSH(target, port=int(port), key=key, known_hosts=known_hosts)
 with shoal.Agent("opencode") as agent:
     s = agent.session(where=place)
     print(agent.id, place.id, flush=True)
-    s.run(f"#! run {command}", timeout=300)
+    r = s.run(f"#! run {command}", timeout=300)
+    print("ended", all(t.ok for t in r.tool_calls), flush=True)
+    time.sleep(600)
 """
 
 
@@ -217,3 +219,52 @@ def test_a_command_is_stopped_through_a_connection_of_its_own(sshd: Sshd, tmp_pa
 
     asyncio.run(main())
     assert place_processes(place) == [] and registry.entries() == []
+
+
+def test_a_killed_shoal_leaves_no_background_command_on_the_remote(sshd: Sshd, tmp_path: Path) -> None:
+    """What a turn that ended normally left in the background there (a server for the next turn)
+    runs on while shoal lives; SIGKILL shoal between turns (the python process alone), and the
+    place's lifeline, a remote process waiting on a pipe shoal held, sweeps it there."""
+    remote = remote_dir(tmp_path)
+    command = sleeper()
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(sshd.port), str(sshd.key), str(sshd.known_hosts),
+                             sshd.target(remote), f"nohup {command} </dev/null >/dev/null 2>&1 &"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        agent_id, place_id = proc.stdout.readline().split()
+        assert proc.stdout.readline().split() == ["ended", "True"]  # the turn is over; its sleeper is not
+        assert started(command), processes_running(command)
+        mounts = [m for m in fuse_mounts() if place_id in m]
+        assert mounts
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_until(lambda: not processes_running(command), 10), processes_running(command)
+    assert wait_until(lambda: not set(mounts) & set(fuse_mounts()), 10)
+    assert leftovers(agent_id, settle=5) == []
+    assert wait_until(lambda: not subprocess.run(["pgrep", "-f", place_id], capture_output=True).stdout, 5)
+    assert shoal_cli(["places", "clean"]) == 0 and registry.entries() == []
+
+
+def test_giving_back_the_place_stops_what_commands_left_in_the_background(sshd: Sshd, tmp_path: Path) -> None:
+    """close(): the lifeline, its stdin closed, stops the place's commands there and ends."""
+    remote = remote_dir(tmp_path)
+    place = shoal.SSH(sshd.target(remote), port=sshd.port, key=sshd.key, known_hosts=sshd.known_hosts)
+    command = sleeper()
+
+    async def main() -> float:
+        await place.open()
+        try:
+            subprocess.run([place.env()["SHELL"], "-c", f"{command} </dev/null >/dev/null 2>&1 &"], cwd=place.mount,
+                           env={**os.environ, **place.env()}, check=True, timeout=30)
+            assert await asyncio.to_thread(wait_until, lambda: started(command), 10)
+            assert await place.after_turn() is None and started(command)  # the turn ended normally: it runs on
+        finally:
+            began = time.monotonic()
+            await place.close()
+        return time.monotonic() - began
+
+    assert asyncio.run(main()) < 2
+    assert processes_running(command) == []
+    assert place_processes(place) == [] and registry.entries() == []  # the lifeline too, here and there

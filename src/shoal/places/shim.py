@@ -139,6 +139,18 @@ def sweep_script(patterns: list[str]) -> str:
             "kill -KILL $l 2>/dev/null; exit 0")
 
 
+LIFELINE_UP = "shoal-lifeline-up"
+
+
+def lifeline_script(place_id: str) -> str:
+    """POSIX sh for an ssh target, run there over the place's held connection while the place is
+    open (ssh.py): say it is up, wait for its stdin to end, then stop every command of the place
+    (`sweep_script`). Its stdin is a pipe that shoal holds and never writes to: it ends when the
+    place is given back, when shoal dies however it dies, and when the connection drops. HUP and
+    PIPE are ignored: the sweep runs with the channel gone (OpenSSH sends no HUP without a tty)."""
+    return f"trap '' HUP PIPE; echo {LIFELINE_UP}; cat >/dev/null; {sweep_script([f'{place_id}.'])}"
+
+
 def sweep_argv(config: dict[str, Any], patterns: list[str], *, direct: bool = False) -> list[str]:
     """The command that runs `sweep_script` in the target, the way the shim reaches it; `direct`:
     over ssh, through a connection of its own (`config["direct"]`), not the held one."""

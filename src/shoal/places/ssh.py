@@ -22,10 +22,17 @@ and `close()` says where.
 
 A killed ssh client stops nothing on the remote. The commands of a cancelled or timed-out turn
 are stopped there by the shim over the held connection, and by `after_turn` for a shim that
-was killed outright (shim.py, `short.end_turn`); `close()` stops whatever commands left running
-in the background. If shoal is killed outright mid-turn, the CLI dies with it and each of its
-shims, told so by the kernel, stops its command there through a connection of its own (the
-held one goes with shoal). What commands of earlier turns left in the background runs on.
+was killed outright (shim.py, `short.end_turn`). If shoal is killed outright mid-turn, the CLI
+dies with it and each of its shims, told so by the kernel, stops its command there through a
+connection of its own (the held one goes with shoal).
+
+What commands left running in the background (a server for the next turn) is stopped by the
+place's lifeline: one remote process, started over the held connection when the place opens
+(`shim.lifeline_script`), that waits for its stdin to end and then stops every process there
+tagged with the place's id. Its stdin is a pipe shoal holds and never writes to, so it ends
+when `close()` closes it, when shoal dies however it dies (the kernel closes the pipe; ssh and
+the connection go too), and when the connection drops; the sweep runs there, needing nothing
+here. (A connection lost while shoal lives stops them too: the place is broken then anyway.)
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,7 +49,7 @@ from typing import Any
 
 from shoal.errors import BadArgument, BadSetting, HostUnreachable, KeyRefused, PlaceError, number, strings
 from shoal.places import registry, shim
-from shoal.places.short import end_turn, run_short, sweep
+from shoal.places.short import SWEEP_TIMEOUT, end_turn, run_short, sweep
 from shoal.procs import Proc
 
 TARGET = re.compile(r"^(?:(?P<user>[^@/:]+)@)?(?P<host>\[[^\]]+\]|[^:/]+)(?::(?P<path>.*))?$")
@@ -98,6 +106,7 @@ class SSH:
         self.remote_dir: str | None = None
         self._master: Proc | None = None
         self._sshfs: Proc | None = None
+        self._lifeline: Proc | None = None  # see the module docstring
         self._env: dict[str, str] = {}
         self._shim: dict[str, Any] = {}
         self._ran = False  # a command has run there: close() stops what is left of them
@@ -130,8 +139,10 @@ class SSH:
         try:
             await self._connect()
             self.remote_dir, shell = await self._probe()
+            await self._start_lifeline()
             await self._mount()
-            config = {"kind": "ssh", "shell": shell, "bash": shim.local_bash(),
+            await self._lifeline_up()  # started before the mount, up by now: no added wait
+            config = {"kind": "ssh", "id": self.id, "shell": shell, "bash": shim.local_bash(),
                       "prefix": ["ssh", *self.ssh_options(), "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no",
                                  "-n", "-T", self.dest],
                       # a connection of its own, for stopping commands once the held one is gone
@@ -203,6 +214,43 @@ class SSH:
                              f"{self._last_err or 'it does not exist'}")
         return lines[0].strip(), (lines[1].strip() or "sh")
 
+    async def _start_lifeline(self) -> None:
+        """Start the place's lifeline (see the module docstring) over the held connection."""
+        script = shim.lifeline_script(self.id)
+        argv = ["ssh", *self.ssh_options(), "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no", "-T",
+                self.dest, f"sh -c {shlex.quote(script)}"]
+        # a Proc dies with shoal (PR_SET_PDEATHSIG), and the kernel closes its stdin pipe
+        self._lifeline = await Proc.spawn(argv, cwd=self.dir, env=dict(os.environ), stdin=True)
+
+    async def _lifeline_up(self) -> None:
+        """Wait until the lifeline runs there: from then on nothing the place starts outlives shoal."""
+        assert self._lifeline is not None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.connect_timeout + 10):
+                while line := await self._lifeline.readline():
+                    if line.rstrip().endswith(shim.LIFELINE_UP.encode()):
+                        return
+        lifeline, self._lifeline = self._lifeline, None
+        await lifeline.stop()
+        raise PlaceError(f"could not start a process on {self.dest} over the held connection: "
+                         f"{lifeline.stderr_tail() or 'it did not answer'}")
+
+    async def _end_lifeline(self) -> bool:
+        """Close the lifeline's stdin: there, it stops every command of the place and ends. True
+        when it said so."""
+        lifeline, self._lifeline = self._lifeline, None
+        if lifeline is None:
+            return False
+        try:
+            with contextlib.suppress(OSError, RuntimeError):
+                await lifeline.write(b"", close=True)
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(lifeline.wait(), SWEEP_TIMEOUT) == 0
+            return False
+        finally:
+            if lifeline.returncode is None:
+                await lifeline.stop()
+
     async def _mount(self) -> None:
         self.mount.mkdir(parents=True, exist_ok=True)
         opts = [f"-o{o}" for o in (SSHFS_OPTIONS, f"ControlPath={self.ctl}", "ControlMaster=no")]
@@ -240,6 +288,7 @@ class SSH:
                                                             stderr=asyncio.subprocess.DEVNULL)
                 if await proc.wait() == 0:
                     break
+        await self._end_lifeline()  # when opening failed: nothing ran there to stop
         if self._sshfs is not None:
             await self._sshfs.stop()
             self._sshfs = None
@@ -261,8 +310,9 @@ class SSH:
         if not self.opened:
             return None
         self.opened = False
-        if self._ran and self._master is not None:
-            # what commands left in the background there (nothing stops it when ssh goes)
+        # what commands left in the background there (nothing stops it when ssh goes): the
+        # lifeline stops it; a sweep of its own if the lifeline could not
+        if not await self._end_lifeline() and self._ran and self._master is not None:
             await sweep(self._shim)
         note = await self._teardown()
         if note is None:

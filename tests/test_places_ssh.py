@@ -168,6 +168,15 @@ with shoal.Agent("opencode") as agent:
 """
 
 
+def nothing_left_of_a_killed_shoal(command: str, mounts: list[str], agent_id: str, place_id: str) -> None:
+    """After SIGKILL of the shoal holding an ssh place: its command, mount, CLI and ssh all gone."""
+    assert wait_until(lambda: not processes_running(command), 10), processes_running(command)
+    assert wait_until(lambda: not set(mounts) & set(fuse_mounts()), 10)
+    assert leftovers(agent_id, settle=5) == []
+    assert wait_until(lambda: not subprocess.run(["pgrep", "-f", place_id], capture_output=True).stdout, 5)
+    assert shoal_cli(["places", "clean"]) == 0 and registry.entries() == []
+
+
 def test_a_killed_shoal_leaves_no_command_running_on_the_remote(sshd: Sshd, tmp_path: Path) -> None:
     """SIGKILL shoal mid-turn (the python process alone): the CLI dies with it (PDEATHSIG), and so
     does the held connection. The shim, orphaned, stops its command on the remote through a
@@ -188,11 +197,7 @@ def test_a_killed_shoal_leaves_no_command_running_on_the_remote(sshd: Sshd, tmp_
     finally:
         proc.kill()
         proc.wait()
-    assert wait_until(lambda: not processes_running(command), 10), processes_running(command)
-    assert wait_until(lambda: not set(mounts) & set(fuse_mounts()), 10)
-    assert leftovers(agent_id, settle=5) == []
-    assert subprocess.run(["pgrep", "-f", place_id], capture_output=True, text=True).stdout == ""
-    assert shoal_cli(["places", "clean"]) == 0 and registry.entries() == []
+    nothing_left_of_a_killed_shoal(command, mounts, agent_id, place_id)
 
 
 def test_a_command_is_stopped_through_a_connection_of_its_own(sshd: Sshd, tmp_path: Path) -> None:
@@ -240,11 +245,7 @@ def test_a_killed_shoal_leaves_no_background_command_on_the_remote(sshd: Sshd, t
     finally:
         proc.kill()
         proc.wait()
-    assert wait_until(lambda: not processes_running(command), 10), processes_running(command)
-    assert wait_until(lambda: not set(mounts) & set(fuse_mounts()), 10)
-    assert leftovers(agent_id, settle=5) == []
-    assert wait_until(lambda: not subprocess.run(["pgrep", "-f", place_id], capture_output=True).stdout, 5)
-    assert shoal_cli(["places", "clean"]) == 0 and registry.entries() == []
+    nothing_left_of_a_killed_shoal(command, mounts, agent_id, place_id)
 
 
 def test_giving_back_the_place_stops_what_commands_left_in_the_background(sshd: Sshd, tmp_path: Path) -> None:

@@ -168,6 +168,21 @@ with shoal.Agent("opencode") as agent:
 """
 
 
+def start_runner(sshd: Sshd, remote: Path, command: str) -> tuple[subprocess.Popen[str], str, str]:
+    """A shoal in a process of its own running `command` on an ssh place: (it, agent id, place id)."""
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(sshd.port), str(sshd.key), str(sshd.known_hosts),
+                             sshd.target(remote), command], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        agent_id, place_id = proc.stdout.readline().split()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, agent_id, place_id
+
+
 def nothing_left_of_a_killed_shoal(command: str, mounts: list[str], agent_id: str, place_id: str) -> None:
     """After SIGKILL of the shoal holding an ssh place: its command, mount, CLI and ssh all gone."""
     assert wait_until(lambda: not processes_running(command), 10), processes_running(command)
@@ -184,12 +199,8 @@ def test_a_killed_shoal_leaves_no_command_running_on_the_remote(sshd: Sshd, tmp_
     with the held connection (whichever comes first; here, usually the latter)."""
     remote = remote_dir(tmp_path)
     command = sleeper()
-    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(sshd.port), str(sshd.key), str(sshd.known_hosts),
-                             sshd.target(remote), command], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc, agent_id, place_id = start_runner(sshd, remote, command)
     try:
-        assert proc.stdout is not None
-        agent_id, place_id = proc.stdout.readline().split()
         # the command itself runs on the remote (not only the shim and its ssh naming it)
         assert wait_until(lambda: started(command), 60), processes_running(command)
         mounts = [m for m in fuse_mounts() if place_id in m]
@@ -232,12 +243,9 @@ def test_a_killed_shoal_leaves_no_background_command_on_the_remote(sshd: Sshd, t
     place's lifeline, a remote process waiting on a pipe shoal held, sweeps it there."""
     remote = remote_dir(tmp_path)
     command = sleeper()
-    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(sshd.port), str(sshd.key), str(sshd.known_hosts),
-                             sshd.target(remote), f"nohup {command} </dev/null >/dev/null 2>&1 &"],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc, agent_id, place_id = start_runner(sshd, remote, f"nohup {command} </dev/null >/dev/null 2>&1 &")
     try:
         assert proc.stdout is not None
-        agent_id, place_id = proc.stdout.readline().split()
         assert proc.stdout.readline().split() == ["ended", "True"]  # the turn is over; its sleeper is not
         assert started(command), processes_running(command)
         mounts = [m for m in fuse_mounts() if place_id in m]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import uuid
 from collections.abc import Sequence
@@ -33,13 +32,6 @@ if TYPE_CHECKING:
     from shoal.hosts import Host, HostedBackend
 
 log = logging.getLogger("shoal")
-
-
-def state_dir() -> Path:
-    """Where shoal keeps agents' private CLI homes (never the user's own CLI config)."""
-    if os.environ.get("SHOAL_HOME"):
-        return Path(os.environ["SHOAL_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shoal"
 
 
 PERMISSION_ACTIONS = ("allow", "deny", "ask")
@@ -108,7 +100,7 @@ class Agent:
             backend=backend,
             model=model,
             base_url=base_url,
-            home=Path(home).absolute() if home else state_dir() / "agents" / f"{backend}-{self.id}",
+            home=Path(home).absolute() if home else homes.agents_dir() / f"{backend}-{self.id}",
             agent_id=self.id,
             permissions=perms,
             env=dict(env or {}),

@@ -169,14 +169,18 @@ class Flow:
             budget = Budget(base.cost, base.tokens, seconds=timeout)
         return Flow(self.fn, name=name or self.name, budget=budget or self.budget, runs=runs or self.runs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        """Raise FlowArguments unless the flow takes these arguments (nothing runs)."""
         try:
-            inspect.signature(self.fn).bind(*args, **kwargs)  # wrong arguments: said here, as for a function
+            inspect.signature(self.fn).bind(*args, **kwargs)
         except TypeError as exc:
             code = getattr(self.fn, "__code__", None)
             where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
             raise FlowArguments(f"flow {self.name!r}{where}: {exc}",
                                 missing=_missing(self.fn, args, kwargs)) from None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        self.check(*args, **kwargs)  # wrong arguments: said here, at the call, as for a function
         return self._branch(args, kwargs)
 
     async def _branch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

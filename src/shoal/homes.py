@@ -17,6 +17,19 @@ import threading
 import time
 from pathlib import Path
 
+
+def state_dir() -> Path:
+    """shoal's own state (agents' homes under `agents/`, the places registry): $SHOAL_HOME, else
+    the user's cache. Never the user's own CLI config."""
+    if os.environ.get("SHOAL_HOME"):
+        return Path(os.environ["SHOAL_HOME"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shoal"
+
+
+def agents_dir() -> Path:
+    return state_dir() / "agents"
+
+
 LOCK = ".shoal-agent.lock"
 GRACE = 60.0  # seconds: an unlocked home this fresh may be between its mkdir and its lock
 FRESH = 2.0  # seconds: a lock file this fresh may not be locked by its maker yet

@@ -61,7 +61,7 @@ def _setpriv() -> str | None:
     return shutil.which("setpriv") if sys.platform.startswith("linux") else None
 
 
-def _tied(argv: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
+def _tied(argv: Sequence[str], sig: signal.Signals) -> tuple[list[str], Callable[[], None] | None]:
     """`argv` made to die when the thread that starts it goes (Linux's PR_SET_PDEATHSIG; shoal
     starts processes from its own loop thread, which lives as long as shoal does).
 
@@ -71,11 +71,11 @@ def _tied(argv: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
     2 GB, against 2 ms through setpriv): the fallback where setpriv is missing."""
     setpriv = _setpriv()
     if setpriv is not None:
-        return [setpriv, "--pdeathsig", "KILL", "--", *argv], None
-    return list(argv), _dies_with(os.getpid())
+        return [setpriv, "--pdeathsig", sig.name.removeprefix("SIG"), "--", *argv], None
+    return list(argv), _dies_with(os.getpid(), sig)
 
 
-def _dies_with(parent: int) -> Callable[[], None] | None:
+def _dies_with(parent: int, sig: signal.Signals = signal.SIGKILL) -> Callable[[], None] | None:
     """For a child, before exec: be killed when the thread that started it goes (Linux's
     PR_SET_PDEATHSIG; shoal starts processes from its own loop thread, which lives as long as
     shoal does). prctl is looked up here, in the parent: the child only calls it. Elsewhere
@@ -85,7 +85,7 @@ def _dies_with(parent: int) -> Callable[[], None] | None:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def arm() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_PDEATHSIG, sig)
         if os.getppid() != parent:  # shoal died before the line above: nothing will signal us
             os._exit(1)
 
@@ -105,12 +105,14 @@ class Proc:
         _live.add(self)
 
     @classmethod
-    async def spawn(cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False) -> Proc:
-        """Start `argv` in a process group of its own. It dies with shoal even when shoal is
-        killed outright and nothing of it runs to stop it: a server held between turns, and a
-        per-turn CLI too, which would otherwise wait on its model until its turn timed out."""
+    async def spawn(cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bool = False,
+                    dies_with: signal.Signals = signal.SIGKILL) -> Proc:
+        """Start `argv` in a process group of its own. It gets `dies_with` when shoal dies, even
+        killed outright with nothing of it left to stop it: a server held between turns, and a
+        per-turn CLI too, which would otherwise wait on its model until its turn timed out.
+        (SIGTERM for a process that must clean up on the way out, as sshfs unmounts.)"""
         tag = uuid.uuid4().hex
-        command, arm = _tied(argv)
+        command, arm = _tied(argv, dies_with)
         creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *command,
             cwd=str(cwd),

@@ -37,9 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def main(args: argparse.Namespace) -> int:
     import shoal
-    from shoal.agent import state_dir
     from shoal.backends.opencode_server import check_bind
     from shoal.errors import ShoalError
+    from shoal.homes import state_dir
     from shoal.runtime import runtime
 
     explicit = os.environ.get("OPENCODE_SERVER_PASSWORD")

@@ -52,9 +52,7 @@ async def _holds(entry: registry.Entry) -> str:
 
 
 def _left_homes() -> list[Path]:
-    from shoal.agent import state_dir
-
-    return homes.orphaned(state_dir() / "agents")
+    return homes.orphaned(homes.agents_dir())
 
 
 def _home_line(home: Path) -> str:

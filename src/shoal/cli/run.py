@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
             role, backend, model = parse_agent(spec)
             agents[role] = shoal.Agent(backend, model=model, name=role)
         try:
-            flow(args.task, **agents).close()  # its arguments, checked before anything starts
+            flow.check(args.task, **agents)  # its arguments, before anything starts
         except shoal.FlowArguments as exc:
             hint = " ".join(f"-a {name}=BACKEND/MODEL" for name in exc.missing)
             raise shoal.FlowArguments(f"{exc}" + (f"; pass {hint}" if hint else ""), missing=exc.missing) from None

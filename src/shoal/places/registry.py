@@ -22,14 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from shoal import homes
+
 Entry = dict[str, Any]
 
 
 def root() -> Path:
-    """shoal's state directory (the same rule as the agents' homes: $SHOAL_HOME or the cache)."""
-    if os.environ.get("SHOAL_HOME"):
-        return Path(os.environ["SHOAL_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shoal"
+    """shoal's state directory, where the agents' homes are too."""
+    return homes.state_dir()
 
 
 def file() -> Path:

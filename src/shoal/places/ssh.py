@@ -16,7 +16,8 @@ of it the remote login shell's own start-up (here root's ~/.bashrc runs `pyenv i
 
 Given back, it unmounts, closes the connection and removes its private directory — which is
 only ever deleted once it is no longer a mount point. If shoal is killed instead, ssh and
-sshfs get SIGTERM from the kernel (`tied`), so neither they nor the mount outlive it.
+sshfs get SIGTERM from the kernel (`Proc.spawn(dies_with=SIGTERM)`): sshfs unmounts, ssh
+closes the connection, and neither they nor the mount outlive it.
 Anything found there after unmounting was written here while the mount was gone: it is kept,
 and `close()` says where.
 
@@ -43,6 +44,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -60,14 +62,6 @@ HOST_KEY = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION 
 MOUNT_TIMEOUT = 20.0
 # no kernel or sshfs caching: a file a remote command just made must be visible here at once
 SSHFS_OPTIONS = "dir_cache=no,entry_timeout=0,attr_timeout=0,negative_timeout=0"
-
-
-def tied(argv: list[str]) -> list[str]:
-    """`argv`, made to get SIGTERM when shoal dies, however it dies (prctl PR_SET_PDEATHSIG via
-    util-linux's setpriv): ssh and sshfs would otherwise outlive a killed shoal, and a mount with
-    them. On SIGTERM sshfs unmounts; ssh closes the connection."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
 
 
 class SSH:
@@ -163,7 +157,7 @@ class SSH:
         self.dir.mkdir(parents=True, exist_ok=True)
         argv = ["ssh", *self.ssh_options(), "-M", "-N", "-o", "ControlPersist=no", "-o", f"ControlPath={self.ctl}",
                 self.dest]
-        self._master = await Proc.spawn(tied(argv), cwd=self.dir, env=dict(os.environ))
+        self._master = await Proc.spawn(argv, cwd=self.dir, env=dict(os.environ), dies_with=signal.SIGTERM)
         deadline = asyncio.get_running_loop().time() + self.connect_timeout + 10
         while asyncio.get_running_loop().time() < deadline:
             if self._master.returncode is not None or self._master_exited():
@@ -257,7 +251,7 @@ class SSH:
         opts += [f"-o{self.ssh_options()[i + 1]}" for i in range(0, len(self.ssh_options()) - 1, 2)
                  if self.ssh_options()[i] == "-o"]
         argv = ["sshfs", "-f", f"{self.dest}:{self.remote_dir}", str(self.mount), *opts]
-        self._sshfs = await Proc.spawn(tied(argv), cwd=self.dir, env=dict(os.environ))
+        self._sshfs = await Proc.spawn(argv, cwd=self.dir, env=dict(os.environ), dies_with=signal.SIGTERM)
         deadline = asyncio.get_running_loop().time() + MOUNT_TIMEOUT
         while asyncio.get_running_loop().time() < deadline:
             if os.path.ismount(self.mount):
